@@ -1,0 +1,38 @@
+"""aioloader: an asyncio-native data loader for PyTorch.
+
+Workers build whole batches straight into a shared-memory arena; the event loop is never
+blocked waiting for them. ``async for batch in loader`` in async code, ``for batch in
+loader`` (or ``loader.sync(device=...)``) everywhere else.
+"""
+
+from ._collate import PadCollate, default_collate
+from ._errors import (
+    LoaderBusyError,
+    LoaderTimeoutError,
+    SourcePicklingError,
+    WorkerDied,
+    WorkerError,
+)
+from ._info import WorkerInfo, get_worker_info
+from ._loader import DataLoader
+from ._samplers import BatchSampler, BucketBatchSampler
+from ._sources import Reader
+from ._sync import SyncLoader
+
+__all__ = [
+    "BatchSampler",
+    "BucketBatchSampler",
+    "DataLoader",
+    "LoaderBusyError",
+    "LoaderTimeoutError",
+    "PadCollate",
+    "Reader",
+    "SourcePicklingError",
+    "SyncLoader",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerInfo",
+    "default_collate",
+    "get_worker_info",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,130 @@
+"""The shared-memory arena: one anonymous file per worker, cut into fixed-size slots.
+
+The worker creates the arena (``memfd_create`` on Linux: anonymous, so nothing can leak even
+after ``kill -9``, and independent of the size of /dev/shm), maps it pre-faulted, and hands
+the file descriptor to the parent once over the worker's socket. Each batch is written into
+one free slot; the parent copies it out and gives the slot back. Nothing is allocated per
+batch.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+import torch
+
+ALIGN = 64  # cache-line alignment of every tensor in a slot; also fine for any dtype view
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def round_slot_size(nbytes: int) -> int:
+    """A slot size with room to spare: 25 % headroom, rounded up to 64 KiB."""
+    chunk = 64 * 1024
+    return max(chunk, (nbytes + nbytes // 4 + chunk - 1) // chunk * chunk)
+
+
+def create_file(size: int, name: str) -> int:
+    """An anonymous shared-memory file of ``size`` bytes; the caller owns the fd."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    else:  # macOS and others: a file that is unlinked at once is just as anonymous
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix=name, dir=shm)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class ArenaMap:
+    """A mapping of an arena file: ``slots`` slots of ``slot_size`` bytes each."""
+
+    def __init__(self, fd: int, slots: int, slot_size: int) -> None:
+        self.slots = slots
+        self.slot_size = slot_size
+        size = slots * slot_size
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
+        if hasattr(mmap, "MADV_DONTFORK"):
+            # Processes forked later (other loaders' workers) must not pin this memory.
+            self._mm.madvise(mmap.MADV_DONTFORK)
+        self.bytes: torch.Tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.base_ptr: int = self.bytes.data_ptr()
+
+    def slot_range(self, slot: int) -> tuple[int, int]:
+        start = slot * self.slot_size
+        return start, start + self.slot_size
+
+    def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """The tensor of ``dtype``/``shape`` stored contiguously at ``offset``."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        return self.bytes[offset:offset + nbytes].view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Unmap; if a view is still alive somewhere, leave the unmapping to the GC."""
+        mm, self._mm = self._mm, None
+        del self.bytes
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+
+class SlotFull(Exception):
+    """The batch does not fit in one slot; ``needed`` bytes would."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(f"batch needs {needed} bytes")
+        self.needed = needed
+
+
+class SlotWriter:
+    """A bump allocator over one slot of an arena (worker side)."""
+
+    def __init__(self, arena: ArenaMap, slot: int) -> None:
+        self.arena = arena
+        self.start, self.end = arena.slot_range(slot)
+        self.pos = self.start
+        self.overflow = 0  # bytes asked for that did not fit
+
+    def alloc(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the slot; a plain one when the slot is full."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = align(numel * dtype.itemsize)
+        if self.pos + nbytes > self.end:
+            self.overflow += nbytes
+            return torch.empty(shape, dtype=dtype)
+        off = self.pos
+        self.pos += nbytes
+        return self.arena.view(off, dtype, list(shape))
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Where ``t`` already lies in this slot (contiguous, whole), else None."""
+        ptr = t.data_ptr() - self.arena.base_ptr
+        if self.start <= ptr < self.end and t.is_contiguous():
+            return ptr
+        return None
+
+    def place(self, t: torch.Tensor) -> int:
+        """Copy ``t`` into the slot; its offset. Raises SlotFull."""
+        nbytes = align(t.numel() * t.element_size())
+        if self.pos + nbytes > self.end:
+            raise SlotFull(nbytes)
+        off = self.pos
+        self.pos += nbytes
+        self.arena.view(off, t.dtype, list(t.shape)).copy_(t)
+        return off

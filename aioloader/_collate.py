@@ -1,0 +1,411 @@
+"""Batch assembly: torch's default collate and PadCollate, writing through a pluggable allocator."""
+
+from __future__ import annotations
+
+import collections.abc as cabc
+import contextlib
+import copy
+import re
+import reprlib
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Allocator",
+    "Collate",
+    "PadCollate",
+    "default_collate",
+    "new_tensor",
+    "use_allocator",
+]
+
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""Returns an uninitialised, contiguous CPU tensor of the given shape and dtype."""
+
+_allocator: ContextVar[Allocator | None] = ContextVar("aioloader_allocator", default=None)
+
+
+class Collate(Protocol):
+    """Turns a list of samples into a batch."""
+
+    def __call__(self, batch: list[Any]) -> Any: ...
+
+
+@contextlib.contextmanager
+def use_allocator(alloc: Allocator | None) -> Iterator[None]:
+    """Make `new_tensor` (and so every collated CPU tensor) come from `alloc` in this context.
+
+    Example:
+        with use_allocator(arena.allocate):
+            batch = default_collate(samples)
+    """
+    token = _allocator.set(alloc)
+    try:
+        yield
+    finally:
+        _allocator.reset(token)
+
+
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor from the current allocator, else from `torch.empty`."""
+    alloc = _allocator.get()
+    if alloc is None:
+        return torch.empty(shape, dtype=dtype)
+    out = alloc(shape, dtype)
+    # A wrong shape would make torch.stack resize `out` silently, away from the allocator's memory.
+    if out.shape != shape or out.dtype != dtype or out.device.type != "cpu":
+        raise ValueError(
+            f"allocator {alloc!r} returned a {out.device.type} tensor of {tuple(out.shape)} "
+            f"{out.dtype}; asked for a cpu tensor of {shape} {dtype}"
+        )
+    if not out.is_contiguous():
+        raise ValueError(f"allocator {alloc!r} returned a non-contiguous tensor")
+    return out
+
+
+_TYPE_ERROR = (
+    "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
+)
+# Same test as torch: numpy arrays of bytes, str and objects cannot become tensors.
+_NP_STR_OBJ = re.compile(r"[SaUO]")
+_SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
+_NUMBER_TYPES = (int, float, complex, np.number, np.bool_)
+
+# The location of a value inside one sample, as rendered index steps: "['ids']", "[0]", ".x".
+_Path = tuple[str, ...]
+
+
+def _where(path: _Path) -> str:
+    return f"at {''.join(path)}" if path else "at the top level"
+
+
+def _short(value: object) -> str:
+    return reprlib.repr(value)
+
+
+def default_collate(batch: Sequence[Any]) -> Any:
+    """Collate like `torch.utils.data.default_collate`, allocating tensors with `new_tensor`.
+
+    Example:
+        default_collate([{"x": 1}, {"x": 2}])  # {'x': tensor([1, 2])}
+    """
+    if not batch:
+        raise IndexError("default_collate: the batch is empty")
+    return _collate(batch, (), None)
+
+
+class PadCollate:
+    """As `default_collate`, but 1-D number sequences of different lengths are right-padded.
+
+    Lists (or tuples) of numbers become one tensor of the dtype `torch.tensor` infers for their
+    items; 1-D tensors and numpy arrays keep their dtype. Where nothing is ragged the result is
+    exactly `default_collate`'s.
+
+    Example:
+        PadCollate(pad_value=0)([{"ids": [1]}, {"ids": [2, 3]}])
+        # {'ids': tensor([[1, 0], [2, 3]])}
+    """
+
+    def __init__(self, pad_value: int | float = 0) -> None:
+        if not isinstance(pad_value, (int, float)):
+            raise TypeError(f"PadCollate: pad_value must be an int or a float, not {pad_value!r}")
+        self.pad_value = pad_value
+
+    def __call__(self, batch: Sequence[Any]) -> Any:
+        if not batch:
+            raise IndexError("PadCollate: the batch is empty")
+        return _collate(batch, (), self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(pad_value={self.pad_value!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PadCollate):
+            return NotImplemented
+        return type(self) is type(other) and self.pad_value == other.pad_value
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.pad_value))
+
+
+# ---------------------------------------------------------------------------------- dispatch
+# Each handler takes (batch, path, pad), pad being None for the plain default collate.
+
+_Handler = Callable[[Sequence[Any], _Path, "PadCollate | None"], Any]
+
+
+def _collate(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    elem = batch[0]
+    handler = _EXACT.get(type(elem))
+    if handler is None:
+        handler = _classify(elem)
+    return handler(batch, path, pad)
+
+
+def _classify(elem: object) -> _Handler:
+    # The order of torch's collate_fn_map and then its structural branches: it decides, e.g.,
+    # that numpy.float64 (a float subclass) goes through torch.as_tensor.
+    if isinstance(elem, torch.Tensor):
+        return _collate_tensors
+    if isinstance(elem, np.ndarray):
+        return _collate_arrays
+    if isinstance(elem, (np.bool_, np.number, np.object_)):
+        return _collate_numpy_scalars
+    if isinstance(elem, float):
+        return _collate_floats
+    if isinstance(elem, int):
+        return _collate_ints
+    if isinstance(elem, (str, bytes)):
+        return _keep
+    if isinstance(elem, cabc.Mapping):
+        return _collate_mappings
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):
+        return _collate_namedtuples
+    if isinstance(elem, cabc.Sequence):
+        return _collate_sequences
+    return _unsupported
+
+
+def _unsupported(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    elem = batch[0]
+    raise TypeError(_TYPE_ERROR.format(type(elem)) + f" (sample 0 {_where(path)}: {_short(elem)})")
+
+
+def _keep(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    return batch
+
+
+def _collate_floats(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    return torch.tensor(batch, dtype=torch.float64)
+
+
+def _collate_ints(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    # bools land here too, as in torch: torch.tensor infers torch.bool for them.
+    return torch.tensor(batch)
+
+
+def _collate_numpy_scalars(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    return torch.as_tensor(batch)
+
+
+def _collate_arrays(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    elem = batch[0]
+    if _NP_STR_OBJ.search(elem.dtype.str) is not None:
+        raise TypeError(
+            _TYPE_ERROR.format(elem.dtype) + f" (sample 0 {_where(path)}: numpy array of "
+            f"dtype {elem.dtype})"
+        )
+    # as_tensor shares the arrays' memory, so the stack below is the only copy.
+    return _collate_tensors([torch.as_tensor(b) for b in batch], path, pad)
+
+
+def _collate_tensors(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    elem = batch[0]
+    if elem.is_nested:
+        raise RuntimeError(
+            "Batches of nested tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    if elem.layout in _SPARSE:
+        raise RuntimeError(
+            "Batches of sparse tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    if pad is not None and elem.dim() == 1 and _ragged_tensors(batch):
+        return _pad_tensors(batch, path, pad.pad_value)
+    return _stack(batch, path)
+
+
+def _stack(tensors: Sequence[Any], path: _Path) -> torch.Tensor:
+    elem = tensors[0]
+    if _allocator.get() is not None and elem.device.type == "cpu" and _same_dtype(tensors):
+        out = new_tensor((len(tensors), *elem.shape), elem.dtype)
+        try:
+            return torch.stack(tensors, 0, out=out)  # type: ignore[arg-type]
+        except RuntimeError:
+            pass  # autograd refuses `out=`, or the shapes differ: plain torch.stack decides
+    try:
+        return torch.stack(tensors, 0)  # type: ignore[arg-type]
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} (the tensors {_where(path)})") from e
+
+
+def _same_dtype(tensors: Sequence[Any]) -> bool:
+    # torch.stack promotes mixed dtypes, while `out=` would silently cast float64 to float32.
+    dtype = tensors[0].dtype
+    try:
+        for t in tensors:
+            if t.dtype is not dtype:
+                return False
+    except AttributeError:
+        return False  # not all tensors: let torch.stack name the culprit
+    return True
+
+
+def _collate_mappings(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    elem = batch[0]
+    values = {key: _collate([d[key] for d in batch], (*path, f"[{key!r}]"), pad) for key in elem}
+    if type(elem) is dict:
+        return values
+    # torch rebuilds the sample's own mapping type, falling back to dict when that fails.
+    try:
+        if isinstance(elem, cabc.MutableMapping):
+            clone = copy.copy(elem)
+            clone.update(values)
+            return clone
+        return type(elem)(values)
+    except TypeError:
+        return values
+
+
+def _collate_namedtuples(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    elem = batch[0]
+    # Like torch, no length check: samples of one namedtuple type have the same fields.
+    transposed = zip(*batch, strict=False)
+    fields = (
+        _collate(samples, (*path, f".{name}"), pad)
+        for name, samples in zip(elem._fields, transposed, strict=False)
+    )
+    return type(elem)(*fields)
+
+
+def _collate_sequences(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
+    elem = batch[0]
+    size = len(elem)
+    for sample in batch:
+        if len(sample) != size:
+            if pad is not None:
+                padded = _pad_lists(batch, path, pad.pad_value)
+                if padded is not None:
+                    return padded
+            lengths = [len(s) for s in batch]
+            raise RuntimeError(
+                "each element in list of batch should be of equal size "
+                f"({_where(path)}, lengths {lengths})"
+            )
+    # Lengths were checked above, so zip cannot truncate.
+    transposed = zip(*batch, strict=False)
+    values = [_collate(samples, (*path, f"[{i}]"), pad) for i, samples in enumerate(transposed)]
+    if type(elem) is list or isinstance(elem, tuple):
+        return values  # tuples become lists, as in torch
+    try:
+        if isinstance(elem, cabc.MutableSequence):
+            clone = copy.copy(elem)
+            for i, value in enumerate(values):
+                clone[i] = value
+            return clone
+        return type(elem)(values)
+    except TypeError:
+        return values
+
+
+_EXACT: dict[type, _Handler] = {
+    torch.Tensor: _collate_tensors,
+    np.ndarray: _collate_arrays,
+    float: _collate_floats,
+    int: _collate_ints,
+    bool: _collate_ints,
+    str: _keep,
+    bytes: _keep,
+    dict: _collate_mappings,
+    list: _collate_sequences,
+    tuple: _collate_sequences,
+}
+_EXACT.update(
+    (t, _collate_numpy_scalars)
+    for t in {np.dtype(c).type for c in np.typecodes["All"] if c not in "SUVOMm"}
+)
+
+
+# ---------------------------------------------------------------------------------- padding
+
+
+def _ragged_tensors(batch: Sequence[Any]) -> bool:
+    shape = batch[0].shape
+    return any(not isinstance(t, torch.Tensor) or t.shape != shape for t in batch)
+
+
+def _pad_tensors(batch: Sequence[Any], path: _Path, pad_value: int | float) -> torch.Tensor:
+    elem = batch[0]
+    dtype = elem.dtype
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            what = (
+                f"a tensor of shape {tuple(t.shape)}"
+                if isinstance(t, torch.Tensor)
+                else (f"a {type(t).__name__}")
+            )
+            raise ValueError(
+                f"PadCollate: cannot pad the 1-D tensors {_where(path)}: sample {i} is {what}"
+            )
+        if t.device != elem.device:
+            raise ValueError(
+                f"PadCollate: cannot pad the tensors {_where(path)}: sample {i} is on "
+                f"{t.device}, sample 0 on {elem.device}"
+            )
+        dtype = torch.promote_types(dtype, t.dtype)
+    out = _filled(len(batch), max(len(t) for t in batch), dtype, elem.device, pad_value, path)
+    for i, t in enumerate(batch):
+        out[i, : len(t)].copy_(t)
+    return out
+
+
+def _pad_lists(batch: Sequence[Any], path: _Path, pad_value: int | float) -> torch.Tensor | None:
+    """Pad ragged sequences of numbers into one tensor; None when they do not hold numbers."""
+    first = next((s[0] for s in batch if len(s)), None)
+    if not isinstance(first, _NUMBER_TYPES):
+        return None  # e.g. lists of str: torch's equal-size error stands
+    flat: list[Any] = []
+    for sample in batch:
+        flat.extend(sample)
+    try:
+        values = torch.tensor(flat)  # the dtype torch infers for the items, e.g. int -> int64
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise _bad_item(batch, path) or TypeError(
+            f"PadCollate: cannot pad the sequences {_where(path)}: {e}"
+        ) from e
+    lengths = torch.tensor([len(s) for s in batch])
+    width = int(lengths.max())
+    out = _filled(len(batch), width, values.dtype, values.device, pad_value, path)
+    # One masked scatter in row-major order instead of a Python loop over rows.
+    out.masked_scatter_(torch.arange(width) < lengths.unsqueeze(1), values)
+    return out
+
+
+def _bad_item(batch: Sequence[Any], path: _Path) -> TypeError | None:
+    for i, sample in enumerate(batch):
+        if isinstance(sample, (str, bytes)) or not isinstance(sample, cabc.Sequence):
+            return TypeError(
+                f"PadCollate: cannot pad the sequences {_where(path)}: sample {i} is a "
+                f"{type(sample).__name__} ({_short(sample)}), not a sequence of numbers"
+            )
+        for j, item in enumerate(sample):
+            if not isinstance(item, _NUMBER_TYPES):
+                return TypeError(
+                    f"PadCollate: cannot pad the sequences {_where(path)}: sample {i}, item {j} "
+                    f"is a {type(item).__name__} ({_short(item)}), not a number"
+                )
+    return None
+
+
+def _filled(
+    rows: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    pad_value: int | float,
+    path: _Path,
+) -> torch.Tensor:
+    exact = dtype.is_floating_point or dtype.is_complex
+    # fill_ wraps silently (-100 becomes 156 in uint8); refuse instead.
+    if not exact and torch.tensor(pad_value).to(dtype).item() != pad_value:
+        raise ValueError(
+            f"PadCollate: pad_value {pad_value!r} does not fit the {dtype} values {_where(path)}"
+        )
+    if device.type == "cpu":
+        return new_tensor((rows, width), dtype).fill_(pad_value)
+    return torch.full((rows, width), pad_value, dtype=dtype, device=device)

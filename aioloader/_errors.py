@@ -1,0 +1,75 @@
+"""The exceptions aioloader raises: one type per failure a user must tell apart."""
+
+from __future__ import annotations
+
+import pickle
+
+
+class WorkerError(Exception):
+    """A worker process failed: it raised, or it died.
+
+    The message holds the original exception's repr and the worker's traceback; when the
+    original exception could be rebuilt in this process it is also the ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, worker_id: int | None = None,
+                 pid: int | None = None) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], self.__dict__))
+
+
+def _rebuild(cls: type[WorkerError], message: str, state: dict[str, object]) -> WorkerError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class WorkerDied(WorkerError):
+    """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory."""
+
+    def __init__(self, worker_id: int, pid: int | None, exitcode: int | None,
+                 context: str = "") -> None:
+        self.exitcode = exitcode
+        super().__init__(
+            f"worker {worker_id} (pid {pid}) died unexpectedly: {describe_exit(exitcode)}"
+            + (f"; {context}" if context else ""),
+            worker_id=worker_id, pid=pid)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exit code 3', 'killed by signal 9 (SIGKILL)' or 'exit status unknown'."""
+    import signal
+
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        hint = ""
+        if -exitcode == signal.SIGKILL:
+            hint = " — often the out-of-memory killer; check `dmesg` and memory limits"
+        elif -exitcode == signal.SIGSEGV:
+            hint = " — a crash in native code (segmentation fault)"
+        elif -exitcode == signal.SIGBUS:
+            hint = " — a bus error, often shared memory that ran out"
+        return f"killed by signal {-exitcode} ({name}){hint}"
+    return f"exit code {exitcode}"
+
+
+class LoaderTimeoutError(TimeoutError):
+    """No batch arrived within the loader's ``timeout``; names the workers that are behind."""
+
+
+class SourcePicklingError(pickle.PicklingError, TypeError):
+    """The reader, dataset, sampler or collate cannot be sent to a spawned worker."""
+
+
+class LoaderBusyError(RuntimeError):
+    """The loader is already being iterated: one epoch at a time per loader."""

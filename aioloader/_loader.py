@@ -1,0 +1,443 @@
+"""DataLoader: options, validation, epochs, async iteration."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ._device import DeviceLike, as_device, move_to
+from ._errors import LoaderBusyError, LoaderTimeoutError
+from ._pipeline import BatchOptions
+from ._samplers import BatchSampler, derive_seed, num_batches, plan_indices
+from ._sessions import (
+    CachedInstances,
+    Delivered,
+    LocalIndex,
+    LocalStream,
+    PassDone,
+    Session,
+    WorkerIndex,
+    WorkerStream,
+    local_instances,
+    worker_instances,
+)
+from ._sources import Kind, classify
+from ._supervisor import Supervisor
+from ._worker import Plan, WorkerSpec
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+class _Box:
+    """Holds the live session, for the garbage collector's backstop (weakref.finalize)."""
+
+    session: Session | None = None
+
+    def kill(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.kill()
+
+
+class DataLoader:
+    """Batches from a reader or dataset, built in worker processes, consumed with ``async for``.
+
+    Example:
+        >>> import aioloader
+        >>> class Squares(aioloader.Reader):
+        ...     def read(self, data_path):
+        ...         for i in range(6):
+        ...             yield {"x": i, "y": i * i}
+        >>> loader = aioloader.DataLoader(Squares(), batch_size=4, quiet=True)
+        >>> [b["y"].tolist() for b in loader]
+        [[0, 1, 4, 9], [16, 25]]
+    """
+
+    def __init__(
+        self,
+        reader: Any,
+        data_path: Any = None,
+        *,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        shuffle: bool = False,
+        batch_sampler: Any = None,
+        batches_per_epoch: int | None = None,
+        num_workers: int = 0,
+        max_instances_in_memory: int | None = None,
+        start_method: str = "fork",
+        cuda_device: DeviceLike | None = None,
+        quiet: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+        prefetch: int = 4,
+    ) -> None:
+        _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
+                  batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
+                  num_workers=num_workers, max_instances_in_memory=max_instances_in_memory,
+                  start_method=start_method, timeout=timeout, prefetch=prefetch)
+        self._kind = classify(reader)
+        if self._kind is not Kind.MAP and batch_sampler is not None and not isinstance(
+                batch_sampler, BatchSampler):
+            raise ValueError(
+                f"batch_sampler {type(batch_sampler).__name__} yields indices, which only a "
+                "map-style Dataset can use; for a reader pass an aioloader.BatchSampler "
+                "(such as aioloader.BucketBatchSampler)")
+        self.reader = reader
+        self.data_path = data_path
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.batch_sampler = batch_sampler
+        self.batches_per_epoch = batches_per_epoch
+        self.num_workers = num_workers
+        self.max_instances_in_memory = max_instances_in_memory
+        self.start_method = start_method
+        self.quiet = quiet
+        self.collate_fn = collate_fn
+        self.seed = seed
+        self.timeout = timeout
+        self.prefetch = prefetch
+        self._device = as_device(cuda_device)
+        self._base_seed = seed if seed is not None else random.SystemRandom().getrandbits(63)
+        self._options = BatchOptions(
+            batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
+            sampler=batch_sampler if isinstance(batch_sampler, BatchSampler) else None,
+            chunk_size=max_instances_in_memory)
+        self._cache: CachedInstances | None = None
+        self._next_pass = 0  # the pass a new session starts with
+        self._box = _Box()
+        self._epoch: object | None = None  # token of the epoch in progress
+        self._running = False  # an epoch is inside session.next() right now
+        self._finalizer = weakref.finalize(self, _Box.kill, self._box)
+
+    # ------------------------------------------------------------------ public
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate(self._device)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.sync())
+
+    def sync(self, device: DeviceLike | None = None) -> SyncLoader:
+        """The synchronous face: ``for batch in loader.sync(device="cuda:0")``."""
+        from ._sync import SyncLoader
+
+        target = as_device(device) if device is not None else self._device
+        return SyncLoader(self, target)
+
+    def set_target_device(self, device: DeviceLike | None) -> None:
+        """Where batches go from now on (``None``: stay on the CPU)."""
+        self._device = as_device(device)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next epoch as epoch ``epoch`` (its shuffle and worker seeds)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._next_pass = epoch
+        self._drop_later = True
+
+    def __len__(self) -> int:
+        if self.batches_per_epoch is not None:
+            return self.batches_per_epoch
+        if self._kind is Kind.MAP:
+            return self._plan_len(self.reader)
+        if self.max_instances_in_memory is not None:
+            raise TypeError(
+                "a lazy loader (max_instances_in_memory set) does not know its length: pass "
+                "batches_per_epoch, or leave max_instances_in_memory=None to cache the data")
+        if self._cache is None:
+            from ._portal import run_blocking
+
+            run_blocking(self._ensure_cache)
+        assert self._cache is not None
+        return self._plan_len(self._cache)
+
+    async def iter_instances(self) -> AsyncIterator[Any]:
+        """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
+        if self._kind is Kind.MAP:
+            for i in range(len(self.reader)):
+                yield self.reader[i]
+            return
+        if self._cache is not None:
+            for item in self._cache:
+                yield item
+            return
+        items: list[Any] = []
+        async for item in self._read_pass():
+            if self.max_instances_in_memory is None:
+                items.append(item)
+            yield item
+        if self.max_instances_in_memory is None:
+            self._cache = CachedInstances(items)
+
+    async def aclose(self) -> None:
+        """Stop the workers; the loader can be iterated again afterwards."""
+        self._epoch = None
+        session, self._box.session = self._box.session, None
+        if session is not None:
+            await session.aclose()
+
+    def close(self) -> None:
+        """Blocking version of :meth:`aclose`."""
+        self._epoch = None
+        session, self._box.session = self._box.session, None
+        if session is not None:
+            session.close()
+
+    async def __aenter__(self) -> DataLoader:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ epochs
+
+    async def _iterate(self, device: torch.device | None) -> AsyncIterator[Any]:
+        if self._running:
+            raise LoaderBusyError(
+                "this loader is already being iterated: finish or close that epoch first, "
+                "or make a second DataLoader")
+        token = object()
+        if self._epoch is not None:  # an abandoned epoch (break without close): stop it
+            await self._drop_session()
+        self._epoch = token
+        bar = self._bar()
+        finished = False
+        try:
+            session = await self._session()
+            session.attach()
+            try:
+                produced = 0
+                while self.batches_per_epoch is None or produced < self.batches_per_epoch:
+                    step = await self._step(session)
+                    if isinstance(step, PassDone):
+                        self._next_pass += 1
+                        if self.batches_per_epoch is None or step.empty:
+                            break
+                        continue
+                    produced += 1
+                    bar.update(1)
+                    batch = step.value if device is None else move_to(step.value, device)
+                    yield batch
+                    if self._epoch is not token:
+                        raise LoaderBusyError(
+                            "this epoch was abandoned: a newer iteration of the same loader "
+                            "started and stopped it")
+                finished = True
+            finally:
+                if self._epoch is token:
+                    session.detach()
+        finally:
+            bar.close()
+            if self._epoch is token:
+                self._epoch = None
+                if not finished:  # break, cancellation, an error: this epoch's workers go
+                    await self._drop_session()
+
+    async def _step(self, session: Session) -> Delivered | PassDone:
+        self._running = True
+        try:
+            if self.timeout is None:
+                return await session.next()
+            try:
+                return await asyncio.wait_for(session.next(), self.timeout)
+            except TimeoutError as exc:
+                raise LoaderTimeoutError(
+                    f"no batch within timeout={self.timeout}s; still waiting for "
+                    f"{session.behind()}. Raise timeout= if the reader is just slow.") from exc
+        finally:
+            self._running = False
+
+    def _bar(self) -> Any:
+        from tqdm.auto import tqdm
+
+        total = self.batches_per_epoch
+        if total is None and (self._kind is Kind.MAP or self._cache is not None):
+            total = len(self)
+        return tqdm(total=total, disable=self.quiet, desc="batches", unit="batch",
+                    dynamic_ncols=True)
+
+    async def _drop_session(self) -> None:
+        session, self._box.session = self._box.session, None
+        if session is not None:
+            await session.aclose()
+
+    async def _session(self) -> Session:
+        if getattr(self, "_drop_later", False):
+            self._drop_later = False
+            await self._drop_session()
+        if self._box.session is None:
+            self._box.session = await self._open_session(self._next_pass)
+        return self._box.session
+
+    async def _open_session(self, first_pass: int) -> Session:
+        data: Any
+        if self._kind is Kind.MAP:
+            data = self.reader
+        elif self.max_instances_in_memory is None:
+            data = await self._ensure_cache()
+        else:
+            if self.num_workers == 0:
+                return LocalStream(self.reader, self._kind, self.data_path, self._options,
+                                   self.collate_fn, self._seed_for, first_pass)
+            sup = Supervisor(self._spec("stream", self.reader, self._kind, first_pass),
+                             self.num_workers, self.start_method)
+            await sup.start()
+            return WorkerStream(sup)
+        passes = self._index_passes(data, first_pass)
+        if self.num_workers == 0:
+            return LocalIndex(data, passes, self.collate_fn)
+        sup = Supervisor(self._spec("index", data, Kind.MAP, first_pass),
+                         self.num_workers, self.start_method)
+        await sup.start()
+        return WorkerIndex(sup, passes, self.prefetch)
+
+    def _spec(self, plan: Plan, source: Any, kind: Kind, first_pass: int) -> WorkerSpec:
+        rank, world_size = _distributed()
+        return WorkerSpec(
+            source=source, kind=kind, data_path=self.data_path, plan=plan,
+            options=self._options, collate_fn=self.collate_fn, worker_id=0,
+            num_workers=self.num_workers, rank=rank, world_size=world_size,
+            seed=self._base_seed, first_pass=first_pass, slots=self.prefetch,
+            parent_pid=os.getpid() if self.start_method != "forkserver" else 0)
+
+    def _seed_for(self, pass_no: int) -> int:
+        rank, _ = _distributed()
+        return derive_seed(self._base_seed, pass_no, rank, 0)
+
+    # ------------------------------------------------------------------ planning
+
+    def _index_passes(self, data: Sequence[Any], first_pass: int) -> Iterator[list[list[int]]]:
+        for pass_no in itertools.count(first_pass):
+            yield self._plan(data, pass_no)
+
+    def _plan(self, data: Sequence[Any], pass_no: int) -> list[list[int]]:
+        sampler = self.batch_sampler
+        if sampler is not None and not isinstance(sampler, BatchSampler):
+            return [[int(i) for i in batch] for batch in sampler]
+        rng = random.Random(derive_seed(self._base_seed, pass_no))
+        source: Any = data if sampler is not None else len(data)
+        return plan_indices(source, batch_size=self.batch_size, drop_last=self.drop_last,
+                            shuffle=self.shuffle, sampler=sampler, rng=rng)
+
+    def _plan_len(self, data: Sequence[Any]) -> int:
+        sampler = self.batch_sampler
+        if sampler is None:
+            assert self.batch_size is not None
+            return num_batches(len(data), self.batch_size, self.drop_last)
+        if isinstance(sampler, BatchSampler):
+            return sampler.get_num_batches(data)
+        return len(sampler)
+
+    # ------------------------------------------------------------------ reading
+
+    async def _ensure_cache(self) -> CachedInstances:
+        if self._cache is None:
+            from tqdm.auto import tqdm
+
+            items: list[Any] = []
+            with tqdm(disable=self.quiet, desc="loading instances", unit="instance") as bar:
+                async for item in self._read_pass():
+                    items.append(item)
+                    bar.update(1)
+            self._cache = CachedInstances(items)
+        return self._cache
+
+    async def _read_pass(self) -> AsyncIterator[Any]:
+        """One pass of instances: in this process, or through workers (sharded)."""
+        if self.num_workers == 0:
+            stream = local_instances(self.reader, self._kind, self.data_path)
+            try:
+                while True:
+                    try:
+                        item = await self._within_timeout(stream.__anext__(), "the reader")
+                    except StopAsyncIteration:
+                        return
+                    yield item
+            finally:
+                await stream.aclose()
+        sup = Supervisor(self._spec("instances", self.reader, self._kind, self._next_pass),
+                         self.num_workers, self.start_method)
+        try:
+            await sup.start()
+            sup.attach()
+            it = worker_instances(sup)
+            while True:
+                try:
+                    item = await self._within_timeout(it.__anext__(), "the workers")
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            await sup.aclose()
+
+    async def _within_timeout(self, awaitable: Any, who: str) -> Any:
+        if self.timeout is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, self.timeout)
+        except TimeoutError as exc:
+            raise LoaderTimeoutError(
+                f"no instance within timeout={self.timeout}s from {who}") from exc
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world_size) of the torch.distributed process group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,
+              batches_per_epoch: int | None, num_workers: int,
+              max_instances_in_memory: int | None, start_method: str, timeout: float | None,
+              prefetch: int) -> None:
+    """The constructor's rules (AllenNLP's MultiProcessDataLoader's, plus a few)."""
+    if num_workers is None or num_workers < 0:
+        raise ValueError(f"num_workers cannot be negative, got {num_workers}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if batch_sampler is not None:
+        for name, value, unset in (("batch_size", batch_size, None), ("drop_last", drop_last,
+                                   False), ("shuffle", shuffle, False)):
+            if value != unset:
+                raise ValueError(f"batch_sampler is mutually exclusive with {name}: the "
+                                 "sampler decides how instances are batched")
+    elif batch_size is None:
+        raise ValueError("batch_size is required when batch_sampler is not given")
+    if batches_per_epoch is not None and batches_per_epoch < 1:
+        raise ValueError(f"batches_per_epoch must be at least 1, got {batches_per_epoch}")
+    if max_instances_in_memory is not None:
+        if max_instances_in_memory < 1:
+            raise ValueError(
+                f"max_instances_in_memory must be at least 1, got {max_instances_in_memory}")
+        if batch_size is not None and max_instances_in_memory < batch_size:
+            raise ValueError(f"max_instances_in_memory ({max_instances_in_memory}) must be at "
+                             f"least batch_size ({batch_size})")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}; "
+                         f"got {start_method!r}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+
+
+from ._sync import SyncLoader  # noqa: E402 - SyncLoader's module needs DataLoader's

@@ -1,0 +1,24 @@
+"""Which event loop to run: uvloop when it is installed, else asyncio's default."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on a fresh loop of the preferred kind."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(coro)

@@ -1,0 +1,444 @@
+"""Batch samplers, batching of instance streams and seed derivation; pure, no I/O."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+__all__ = [
+    "BatchSampler",
+    "Batcher",
+    "BucketBatchSampler",
+    "batches_of",
+    "buffered_shuffle",
+    "current_rng",
+    "derive_seed",
+    "index_batches",
+    "num_batches",
+    "plan_indices",
+    "use_rng",
+]
+
+T = TypeVar("T")
+
+# ------------------------------------------------------------------------------- randomness
+
+_default_rng = random.Random()
+_rng: ContextVar[random.Random] = ContextVar("aioloader_rng")
+
+
+def current_rng() -> random.Random:
+    """The generator set by `use_rng` in this context, else a module-wide one."""
+    return _rng.get(_default_rng)
+
+
+@contextlib.contextmanager
+def use_rng(rng: random.Random) -> Iterator[None]:
+    """Make `current_rng()` return `rng` in this context (and tasks started from it).
+
+    Example:
+        with use_rng(random.Random(derive_seed(seed, epoch))):
+            batches = sampler.get_batch_indices(instances)
+    """
+    token = _rng.set(rng)
+    try:
+        yield
+    finally:
+        _rng.reset(token)
+
+
+def derive_seed(base: int, *parts: int) -> int:
+    """A 64-bit seed mixed from `base` and `parts`: stable across runs, platforms and processes.
+
+    Example:
+        derive_seed(seed, epoch, rank, worker_id)  # an independent stream per worker
+    """
+    h = hashlib.blake2b(digest_size=8, person=b"aioloader.seed")
+    for n in (base, *parts):
+        if not isinstance(n, int):
+            raise TypeError(f"derive_seed takes ints, not {type(n).__name__} ({n!r})")
+        raw = int(n).to_bytes((int(n).bit_length() + 8) // 8, "little", signed=True)
+        h.update(len(raw).to_bytes(4, "little"))  # length prefix: (1, 23) != (12, 3)
+        h.update(raw)
+    return int.from_bytes(h.digest(), "little")
+
+
+# ------------------------------------------------------------------------------- index plans
+
+
+def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches `n` instances make."""
+    _check_batch_size(batch_size)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return n // batch_size if drop_last else -(-n // batch_size)
+
+
+def index_batches(
+    n: int, batch_size: int, *, drop_last: bool, shuffle: bool, rng: random.Random
+) -> list[list[int]]:
+    """Indices 0..n-1, shuffled when asked, cut into batches; drop_last drops a short last one."""
+    _check_batch_size(batch_size)
+    indices = list(range(n))
+    if shuffle:
+        rng.shuffle(indices)
+    batches = [indices[i : i + batch_size] for i in range(0, n, batch_size)]
+    if drop_last and batches and len(batches[-1]) < batch_size:
+        batches.pop()
+    return batches
+
+
+def buffered_shuffle(items: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:
+    """Shuffle a stream holding at most `buffer_size` items; every item comes out once."""
+    if buffer_size < 1:
+        raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+    buffer: list[T] = []
+    for item in items:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        k = rng.randrange(buffer_size)
+        out, buffer[k] = buffer[k], item
+        yield out
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+# ------------------------------------------------------------------------------- samplers
+
+
+class BatchSampler:
+    """Groups instances into batches of indices. Subclass it, or implement the same methods.
+
+    Example:
+        class Pairs(BatchSampler):
+            def get_batch_indices(self, instances):
+                return [[i, i + 1] for i in range(0, len(instances) - 1, 2)]
+
+            def get_num_batches(self, instances):
+                return len(instances) // 2
+    """
+
+    def get_batch_indices(self, instances: Sequence[Any]) -> Iterable[list[int]]:
+        """Batches of indices into `instances`; randomness from `current_rng()`."""
+        raise NotImplementedError
+
+    def get_num_batches(self, instances: Sequence[Any]) -> int:
+        """How many batches `get_batch_indices(instances)` gives."""
+        raise NotImplementedError
+
+    def get_batch_size(self) -> int | None:
+        """The batch size, when there is one."""
+        return None
+
+
+class BucketBatchSampler(BatchSampler):
+    """Batches instances of similar length, so that padding is small; batch order is random.
+
+    Lengths come from the fields named in `sorting_keys` (dict keys or attributes); each is
+    scaled by a random factor in [1 - padding_noise, 1 + padding_noise] before sorting, so that
+    equal lengths do not always land in the same batch. With `sorting_keys=None` the field with
+    the longest value in the first instance is used.
+
+    Example:
+        BucketBatchSampler(32, sorting_keys=["tokens"], padding_noise=0.1)
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        sorting_keys: Sequence[str] | None = None,
+        padding_noise: float = 0.1,
+        drop_last: bool = False,
+    ) -> None:
+        _check_batch_size(batch_size)
+        if isinstance(sorting_keys, str):
+            raise ValueError(
+                f"sorting_keys must be a list of field names, not the str {sorting_keys!r}"
+            )
+        if sorting_keys is not None and not sorting_keys:
+            raise ValueError("sorting_keys must name at least one field (or be None to guess)")
+        if not isinstance(padding_noise, (int, float)) or not 0 <= padding_noise < math.inf:
+            raise ValueError(f"padding_noise must be a finite number >= 0, got {padding_noise!r}")
+        self.batch_size = batch_size
+        self.sorting_keys = None if sorting_keys is None else list(sorting_keys)
+        self.padding_noise = float(padding_noise)
+        self.drop_last = drop_last
+        # Guessed once, so that every chunk of a lazy stream sorts by the same field.
+        self._guessed_keys: list[str] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(batch_size={self.batch_size}, "
+            f"sorting_keys={self.sorting_keys!r}, padding_noise={self.padding_noise}, "
+            f"drop_last={self.drop_last})"
+        )
+
+    def get_batch_indices(self, instances: Sequence[Any]) -> list[list[int]]:
+        if not instances:
+            return []
+        rng = current_rng()
+        keys = self._keys(instances[0])
+        noise = self.padding_noise
+
+        def noisy(i: int) -> tuple[float | int, ...]:
+            lengths = [_field_length(instances[i], key, i) for key in keys]
+            if noise:
+                return (*(n * rng.uniform(1 - noise, 1 + noise) for n in lengths), i)
+            return (*lengths, i)
+
+        order = sorted(range(len(instances)), key=noisy)
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.drop_last and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        rng.shuffle(batches)
+        return batches
+
+    def get_num_batches(self, instances: Sequence[Any]) -> int:
+        return num_batches(len(instances), self.batch_size, self.drop_last)
+
+    def get_batch_size(self) -> int:
+        return self.batch_size
+
+    def _keys(self, first: Any) -> list[str]:
+        if self.sorting_keys is not None:
+            return self.sorting_keys
+        if self._guessed_keys is None:
+            self._guessed_keys = [_guess_key(first)]
+        return self._guessed_keys
+
+
+def _field_names(instance: Any) -> list[str]:
+    if isinstance(instance, Mapping):
+        return [k for k in instance if isinstance(k, str)]
+    if isinstance(instance, tuple) and hasattr(instance, "_fields"):
+        return list(instance._fields)
+    return list(getattr(instance, "__dict__", {}))
+
+
+def _field(instance: Any, key: str, index: int) -> Any:
+    try:
+        return instance[key] if isinstance(instance, Mapping) else getattr(instance, key)
+    except (KeyError, AttributeError):
+        raise ValueError(
+            f"BucketBatchSampler: instance {index} has no field {key!r} "
+            f"(fields: {_field_names(instance)})"
+        ) from None
+
+
+def _length(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor):
+        return value.size(0) if value.dim() else None
+    if isinstance(value, np.ndarray):
+        return value.shape[0] if value.ndim else None
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
+def _field_length(instance: Any, key: str, index: int) -> int:
+    value = _field(instance, key, index)
+    n = _length(value)
+    if n is None:
+        raise ValueError(
+            f"BucketBatchSampler: field {key!r} of instance {index} is a "
+            f"{type(value).__name__}, which has no length to sort by"
+        )
+    return n
+
+
+def _guess_key(instance: Any) -> str:
+    best: tuple[int, str] | None = None
+    for name in _field_names(instance):
+        n = _length(_field(instance, name, 0))
+        if n is not None and (best is None or n > best[0]):
+            best = (n, name)
+    if best is None:
+        raise ValueError(
+            "BucketBatchSampler: cannot guess sorting_keys: no field of the first instance has "
+            f"a length (fields: {_field_names(instance)}); pass sorting_keys"
+        )
+    return best[1]
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
+# ------------------------------------------------------------------------------- batching
+
+
+def plan_indices(
+    instances_or_len: Sequence[Any] | int,
+    *,
+    batch_size: int | None,
+    drop_last: bool,
+    shuffle: bool,
+    sampler: BatchSampler | None,
+    rng: random.Random,
+) -> list[list[int]]:
+    """Index batches for a cached list (or a map-style dataset's length); agrees with `Batcher`."""
+    _check_options(batch_size, drop_last, shuffle, sampler)
+    if sampler is not None:
+        if isinstance(instances_or_len, int):
+            raise TypeError("plan_indices: a sampler needs the instances, not their number")
+        with use_rng(rng):
+            return [list(b) for b in sampler.get_batch_indices(instances_or_len)]
+    assert batch_size is not None  # _check_options
+    n = instances_or_len if isinstance(instances_or_len, int) else len(instances_or_len)
+    return index_batches(n, batch_size, drop_last=drop_last, shuffle=shuffle, rng=rng)
+
+
+class Batcher:
+    """Turns a stream of instances into batches, push-style, for sync and async loops alike.
+
+    Without a sampler, instances are shuffled (the whole pass when `chunk_size` is None, else
+    through a buffer of `chunk_size`) and cut into batches across the whole stream. With a
+    sampler, the stream is cut into chunks of `chunk_size` (None: one chunk) and the sampler
+    batches each chunk. With `chunk_size` set it holds at most max(chunk_size, batch_size)
+    instances. Randomness comes from `current_rng()` at construction. After `finish()` it is
+    ready for the next pass.
+
+    Example:
+        batcher = Batcher(batch_size=2, drop_last=False, shuffle=True, sampler=None,
+                          chunk_size=100)
+        for instance in stream:
+            for batch in batcher.feed(instance):
+                yield batch
+        yield from batcher.finish()
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int | None,
+        drop_last: bool,
+        shuffle: bool,
+        sampler: BatchSampler | None,
+        chunk_size: int | None,
+    ) -> None:
+        _check_options(batch_size, drop_last, shuffle, sampler)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+        self._shuffle = shuffle
+        self._sampler = sampler
+        self._chunk_size = chunk_size
+        self._rng = current_rng()
+        # Instances waiting: the cached pass, the sampler's chunk, or the shuffle buffer.
+        self._pending: list[Any] = []
+        self._batch: list[Any] = []  # the batch being filled, when batches stream out
+        if sampler is not None or (shuffle and chunk_size is None):
+            self._capacity = chunk_size  # None: hold the whole pass
+        elif shuffle:
+            assert batch_size is not None and chunk_size is not None
+            # Draw a whole batch out of a full buffer, so buffer + batch stay within bounds.
+            self._capacity = max(chunk_size, batch_size)
+        else:
+            self._capacity = 0  # no shuffle, no sampler: straight into batches
+
+    def feed(self, instance: Any) -> list[list[Any]]:
+        """Take one instance; return the batches it completes (often none)."""
+        if self._capacity == 0:
+            return self._add(instance)
+        self._pending.append(instance)
+        if len(self._pending) != self._capacity:
+            return []
+        if self._sampler is not None:
+            return self._sample_chunk()
+        return [self._draw_batch()]
+
+    def finish(self) -> list[list[Any]]:
+        """The remaining batches of this pass; resets for the next one."""
+        if self._sampler is not None:
+            batches = self._sample_chunk() if self._pending else []
+        elif self._pending:
+            pending, self._pending = self._pending, []
+            plan = plan_indices(
+                len(pending),
+                batch_size=self._batch_size,
+                drop_last=self._drop_last,
+                shuffle=self._shuffle,
+                sampler=None,
+                rng=self._rng,
+            )
+            batches = [[pending[i] for i in b] for b in plan]
+        else:
+            batches = []
+            if self._batch and not self._drop_last:
+                batches.append(self._batch)
+        self._batch = []
+        return batches
+
+    def _add(self, instance: Any) -> list[list[Any]]:
+        self._batch.append(instance)
+        if len(self._batch) == self._batch_size:
+            batch, self._batch = self._batch, []
+            return [batch]
+        return []
+
+    def _draw_batch(self) -> list[Any]:
+        assert self._batch_size is not None
+        pending, batch = self._pending, []
+        for _ in range(self._batch_size):
+            k = self._rng.randrange(len(pending))
+            batch.append(pending[k])
+            pending[k] = pending[-1]  # swap-remove: O(1) per draw
+            pending.pop()
+        return batch
+
+    def _sample_chunk(self) -> list[list[Any]]:
+        assert self._sampler is not None
+        chunk, self._pending = self._pending, []
+        # The sampler draws from current_rng(): make that this batcher's generator.
+        with use_rng(self._rng):
+            plan = self._sampler.get_batch_indices(chunk)
+            return [[chunk[i] for i in b] for b in plan]
+
+
+def batches_of(
+    instances: Iterable[Any],
+    *,
+    batch_size: int | None = None,
+    drop_last: bool = False,
+    shuffle: bool = False,
+    sampler: BatchSampler | None = None,
+    chunk_size: int | None = None,
+) -> list[list[Any]]:
+    """All batches of one pass over `instances`, as `Batcher` makes them."""
+    batcher = Batcher(
+        batch_size=batch_size,
+        drop_last=drop_last,
+        shuffle=shuffle,
+        sampler=sampler,
+        chunk_size=chunk_size,
+    )
+    batches: list[list[Any]] = []
+    for instance in instances:
+        batches += batcher.feed(instance)
+    return batches + batcher.finish()
+
+
+def _check_options(
+    batch_size: int | None, drop_last: bool, shuffle: bool, sampler: BatchSampler | None
+) -> None:
+    if sampler is not None:
+        if batch_size is not None or drop_last or shuffle:
+            raise ValueError(
+                "a batch sampler is mutually exclusive with batch_size, drop_last and shuffle"
+            )
+        return
+    if batch_size is None:
+        raise ValueError("give either batch_size or a batch sampler")
+    _check_batch_size(batch_size)

@@ -1,0 +1,361 @@
+"""Sessions: what produces an epoch's batches, in this process or through workers.
+
+A session outlives one epoch, so that a stream can continue across epochs
+(``batches_per_epoch``) and the next epoch is prefetched while this one is consumed. It
+answers ``next()`` with a :class:`Delivered` batch or a :class:`PassDone` at the end of
+one pass over the data; the loader decides what an epoch is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import pickle
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import _wire as wire
+from ._pipeline import BatchOptions, PassBatcher, async_batches, collate_with, sync_batches
+from ._sources import Kind, fetch, is_async, open_pass
+from ._supervisor import Supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PassDone:
+    empty: bool  # the whole pass produced no batch
+
+
+Step = Delivered | PassDone
+
+
+class Session(Protocol):
+    async def next(self) -> Step: ...
+    def behind(self) -> str: ...
+    def attach(self) -> None: ...
+    def detach(self) -> None: ...
+    async def aclose(self) -> None: ...
+    def close(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class CachedInstances(Sequence[Any]):
+    """The instances of a cached pass; pickled by value for spawned workers.
+
+    torch's multiprocessing pickler would move every tensor into its own shared-memory
+    segment (one fd each); one plain pickle of the whole list is far cheaper.
+    """
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.items[i]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle_cached, (pickle.dumps(self.items, protocol=pickle.HIGHEST_PROTOCOL),))
+
+
+def _unpickle_cached(data: bytes) -> CachedInstances:
+    return CachedInstances(pickle.loads(data))
+
+
+# ---------------------------------------------------------------------- in this process
+
+class _Thread:
+    """Runs blocking steps off the event loop: a sync reader must never block it."""
+
+    @staticmethod
+    async def run(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+
+_END = object()
+
+
+def _next_or_end(it: Iterator[Any]) -> Any:
+    return next(it, _END)
+
+
+class LocalStream:
+    """Passes over a reader or IterableDataset, batched and collated in this process."""
+
+    def __init__(self, source: Any, kind: Kind, data_path: Any, options: BatchOptions,
+                 collate_fn: Callable[[list[Any]], Any] | None,
+                 seed_for: Callable[[int], int], first_pass: int) -> None:
+        self._source, self._kind, self._data_path = source, kind, data_path
+        self._options = options
+        self._collate = collate_with(collate_fn)
+        self._seed_for = seed_for
+        self._gen = self._passes(first_pass)
+        self._sync_it: Iterator[Any] | None = None
+
+    async def next(self) -> Step:
+        return await self._gen.__anext__()
+
+    async def _passes(self, pass_no: int) -> AsyncIterator[Step]:
+        while True:
+            batcher = PassBatcher(self._options, self._seed_for(pass_no))
+            stream = open_pass(self._source, self._kind, self._data_path)
+            produced = 0
+            if is_async(stream):
+                async for group in async_batches(stream, batcher):  # type: ignore[arg-type]
+                    produced += 1
+                    yield Delivered(self._collate(group))
+            else:
+                collate = self._collate
+                it = (collate(g) for g in sync_batches(stream, batcher))  # type: ignore[arg-type]
+                self._sync_it = it
+                while (value := await _Thread.run(_next_or_end, it)) is not _END:
+                    produced += 1
+                    yield Delivered(value)
+                self._sync_it = None
+            yield PassDone(produced == 0)
+            pass_no += 1
+
+    def behind(self) -> str:
+        return "the reader in this process (num_workers=0)"
+
+    def attach(self) -> None:
+        pass
+
+    def detach(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.kill()
+        await self._gen.aclose()
+
+    def close(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        it, self._sync_it = self._sync_it, None
+        if it is not None:
+            try:
+                it.close()  # type: ignore[attr-defined]
+            except ValueError:  # still running in its thread (a timeout): it ends on its own
+                pass
+
+
+class LocalIndex:
+    """Index batches of a map-style source, fetched and collated off the event loop."""
+
+    def __init__(self, dataset: Any, passes: Iterator[list[list[int]]],
+                 collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        self._dataset = dataset
+        self._collate = collate_with(collate_fn)
+        self._steps = _steps(passes)
+
+    def _fetch(self, indices: list[int]) -> Any:
+        return self._collate(fetch(self._dataset, indices))
+
+    async def next(self) -> Step:
+        indices = next(self._steps)
+        if isinstance(indices, PassDone):
+            return indices
+        return Delivered(await _Thread.run(self._fetch, indices))
+
+    def behind(self) -> str:
+        return "the dataset in this process (num_workers=0)"
+
+    def attach(self) -> None:
+        pass
+
+    def detach(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def _steps(passes: Iterator[list[list[int]]]) -> Iterator[list[int] | PassDone]:
+    for batches in passes:
+        yield from batches
+        yield PassDone(not batches)
+
+
+async def local_instances(source: Any, kind: Kind, data_path: Any) -> AsyncIterator[Any]:
+    """The instances of one pass, read in this process (a sync reader in a thread)."""
+    stream = open_pass(source, kind, data_path)
+    if is_async(stream):
+        async for item in stream:  # type: ignore[union-attr]
+            yield item
+        return
+    it = iter(stream)  # type: ignore[arg-type]
+    chunk = 64
+    try:
+        while True:
+            items = await _Thread.run(lambda: list(itertools.islice(it, chunk)))
+            for item in items:
+                yield item
+            if len(items) < chunk:
+                return
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            try:
+                close()
+            except ValueError:
+                pass
+
+
+# ---------------------------------------------------------------------- through workers
+
+class WorkerStream:
+    """Each worker streams passes over its shard; batches are taken round-robin."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.n = sup.num_workers
+        self._rr = 0
+        self._pending = set(range(self.n))
+        self._produced = 0
+
+    def _next_worker(self) -> int:
+        for k in range(self.n):
+            w = (self._rr + k) % self.n
+            if w in self._pending:
+                return w
+        raise AssertionError("no worker pending")
+
+    async def next(self) -> Step:
+        while True:
+            if not self._pending:
+                done = PassDone(self._produced == 0)
+                self._pending = set(range(self.n))
+                self._produced = 0
+                return done
+            w = self._next_worker()
+            msg = await self.sup.receive(w)
+            if isinstance(msg, wire.Batch):
+                self._rr = w + 1
+                self._produced += 1
+                return Delivered(self.sup.take(w, msg))
+            if isinstance(msg, wire.PassEnd):
+                self.sup.send(w, wire.Release(msg.slot))
+                self._pending.discard(w)
+            else:
+                raise AssertionError(f"unexpected message {msg!r}")
+
+    def behind(self) -> str:
+        return self.sup.describe(sorted(self._pending))
+
+    def attach(self) -> None:
+        self.sup.attach()
+
+    def detach(self) -> None:
+        self.sup.detach()
+
+    async def aclose(self) -> None:
+        await self.sup.aclose()
+
+    def close(self) -> None:
+        self.sup.close()
+
+    def kill(self) -> None:
+        self.sup.kill()
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    seq: int
+    worker: int
+
+
+class WorkerIndex:
+    """The main process plans index batches; worker ``seq % n`` fetches batch ``seq``.
+
+    Batches come back in the plan's order whatever the number of workers. At most
+    ``slots`` tasks are outstanding per worker, which is also how many slots it has.
+    """
+
+    def __init__(self, sup: Supervisor, passes: Iterator[list[list[int]]], slots: int) -> None:
+        self.sup = sup
+        self.n = sup.num_workers
+        self._steps = _steps(passes)
+        self._window = self.n * slots
+        self._queue: collections.deque[_InFlight | PassDone] = collections.deque()
+        self._seq = 0
+
+    def _fill(self) -> None:
+        while len(self._queue) < self._window:
+            step = next(self._steps)
+            if isinstance(step, PassDone):
+                self._queue.append(step)
+                continue
+            w = self._seq % self.n
+            self.sup.send(w, wire.Task(self._seq, step))
+            self._queue.append(_InFlight(self._seq, w))
+            self._seq += 1
+
+    async def next(self) -> Step:
+        self._fill()
+        head = self._queue[0]
+        if isinstance(head, PassDone):
+            self._queue.popleft()
+            return head
+        msg = await self.sup.receive(head.worker)
+        self._queue.popleft()
+        if not isinstance(msg, wire.Batch) or msg.seq != head.seq:
+            raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
+                                 f"got {msg!r}")
+        return Delivered(self.sup.take(head.worker, msg))
+
+    def behind(self) -> str:
+        head = self._queue[0] if self._queue else None
+        ids = [head.worker] if isinstance(head, _InFlight) else list(range(self.n))
+        return self.sup.describe(ids)
+
+    def attach(self) -> None:
+        self.sup.attach()
+
+    def detach(self) -> None:
+        self.sup.detach()
+
+    async def aclose(self) -> None:
+        await self.sup.aclose()
+
+    def close(self) -> None:
+        self.sup.close()
+
+    def kill(self) -> None:
+        self.sup.kill()
+
+
+async def worker_instances(sup: Supervisor) -> AsyncIterator[Any]:
+    """One pass of instances from workers started with the "instances" plan.
+
+    Instances are interleaved one by one round-robin, which restores the reader's own order
+    when the loader shards (worker k holds positions k, k + n, ...).
+    """
+    bufs: list[collections.deque[Any]] = [collections.deque() for _ in range(sup.num_workers)]
+    live = list(range(sup.num_workers))
+    k = 0
+    while live:
+        w = live[k % len(live)]
+        if not bufs[w]:
+            msg = await sup.receive(w)
+            if isinstance(msg, wire.Batch):
+                bufs[w].extend(sup.take(w, msg))
+            elif isinstance(msg, wire.PassEnd):
+                sup.send(w, wire.Release(msg.slot))
+                live.remove(w)
+            continue
+        yield bufs[w].popleft()
+        k += 1

@@ -1,0 +1,125 @@
+"""What a loader can read from: readers, IterableDatasets, map-style Datasets; and sharding."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch.utils.data
+
+
+@runtime_checkable
+class SupportsRead(Protocol):
+    """A reader: ``read(data_path)`` returns an iterable or an async iterable of instances."""
+
+    def read(self, data_path: Any) -> Iterable[Any] | AsyncIterable[Any]: ...
+
+
+class Reader:
+    """Optional base class for readers.
+
+    Set ``manual_multiprocess_sharding = True`` when ``read`` shards itself across workers
+    (using :func:`aioloader.get_worker_info`), and ``manual_distributed_sharding = True`` when
+    it shards itself across ``torch.distributed`` ranks; otherwise the loader does it.
+
+    Example:
+        >>> class Numbers(Reader):
+        ...     def read(self, data_path):
+        ...         yield from ({"x": i} for i in range(3))
+        >>> list(Numbers().read(None))
+        [{'x': 0}, {'x': 1}, {'x': 2}]
+    """
+
+    manual_multiprocess_sharding: bool = False
+    manual_distributed_sharding: bool = False
+
+    def read(self, data_path: Any) -> Iterable[Any] | AsyncIterable[Any]:
+        raise NotImplementedError(f"{type(self).__name__}.read(data_path) is not implemented")
+
+
+class Kind(enum.Enum):
+    READER = "reader"
+    ITERABLE = "iterable dataset"
+    MAP = "map-style dataset"
+
+
+def classify(source: Any) -> Kind:
+    """Which kind of source this is; a clear TypeError when it is none."""
+    if isinstance(source, torch.utils.data.IterableDataset):
+        return Kind.ITERABLE
+    if callable(getattr(source, "read", None)):
+        return Kind.READER
+    if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
+        return Kind.MAP
+    raise TypeError(
+        f"cannot read from {type(source).__name__!r}: pass a reader (an object with "
+        "read(data_path) returning an iterable or async iterable of instances), a "
+        "torch.utils.data.Dataset (with __getitem__ and __len__) or a "
+        "torch.utils.data.IterableDataset")
+
+
+def open_pass(source: Any, kind: Kind, data_path: Any) -> Iterable[Any] | AsyncIterable[Any]:
+    """The instances of one pass over a streaming source."""
+    if kind is Kind.ITERABLE:
+        return iter(source)
+    stream = source.read(data_path)
+    if isinstance(stream, (Iterable, AsyncIterable)):
+        return stream
+    raise TypeError(
+        f"{type(source).__name__}.read() returned {type(stream).__name__!r}, which is neither "
+        "iterable nor async iterable: return (or yield) instances")
+
+
+def is_async(stream: Iterable[Any] | AsyncIterable[Any]) -> bool:
+    return isinstance(stream, AsyncIterable) or inspect.isasyncgen(stream)
+
+
+def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int,
+               world_size: int) -> tuple[int, int]:
+    """(index, count): this process keeps instances index, index + count, ...
+
+    Readers are sharded by the loader unless they say they shard themselves; an
+    IterableDataset shards itself the torch way (``torch.utils.data.get_worker_info()``)
+    across workers, as it would under torch's DataLoader.
+    """
+    manual_workers = getattr(source, "manual_multiprocess_sharding", kind is Kind.ITERABLE)
+    manual_ranks = getattr(source, "manual_distributed_sharding", False)
+    index, count = 0, 1
+    if not manual_ranks and world_size > 1:
+        index, count = rank, world_size
+    if not manual_workers and num_workers > 1:
+        index, count = index * num_workers + worker, count * num_workers
+    return index, count
+
+
+def shard(stream: Iterable[Any], index: int, count: int) -> Iterator[Any]:
+    it = iter(stream)
+    if count == 1:
+        return it
+    import itertools
+
+    return itertools.islice(it, index, None, count)
+
+
+async def ashard(stream: AsyncIterable[Any], index: int, count: int) -> AsyncIterator[Any]:
+    pos = 0
+    async for item in stream:
+        if pos % count == index:
+            yield item
+        pos += 1
+
+
+async def as_async(stream: Iterable[Any]) -> AsyncIterator[Any]:
+    """A sync iterable driven inline (in a worker, blocking its loop is fine)."""
+    for item in stream:
+        yield item
+
+
+def fetch(dataset: Any, indices: Sequence[int]) -> list[Any]:
+    """The samples at ``indices``, in bulk when the dataset supports ``__getitems__``."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        return list(getitems(list(indices)))
+    return [dataset[i] for i in indices]

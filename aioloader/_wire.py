@@ -1,0 +1,141 @@
+"""The messages between the supervisor and its workers: typed, tagged, msgpack-framed data.
+
+Every message is a frozen dataclass with a fixed tag. On the wire a message is a 4-byte
+big-endian length followed by the msgpack array ``[tag, *fields]``. There are no in-band
+sentinels: the end of a pass, a failure and an arena change are messages of their own.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import astuple, dataclass
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+_LEN = struct.Struct("!I")
+MAX_FRAME = 1 << 31
+
+
+class Tag(enum.IntEnum):
+    # parent -> worker
+    RELEASE = 1
+    TASK = 2
+    # worker -> parent
+    BATCH = 10
+    PASS_END = 11
+    FAILED = 12
+    ARENA = 13
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The parent copied slot ``slot`` out: the worker may reuse it."""
+
+    TAG: ClassVar[Tag] = Tag.RELEASE
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Fetch ``indices`` from the map-style source and collate them as batch ``seq``."""
+
+    TAG: ClassVar[Tag] = Tag.TASK
+    seq: int
+    indices: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A batch lies in arena slot ``slot``; ``tree`` is its encoded structure (see _codec)."""
+
+    TAG: ClassVar[Tag] = Tag.BATCH
+    slot: int
+    seq: int
+    tree: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PassEnd:
+    """The worker finished pass ``pass_no`` of its shard after ``batches`` batches.
+
+    It holds a slot like a batch does (released the same way), so that a worker with an
+    empty shard cannot run ahead of the parent without bound.
+    """
+
+    TAG: ClassVar[Tag] = Tag.PASS_END
+    slot: int
+    pass_no: int
+    batches: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The worker raised; it exits after sending this."""
+
+    TAG: ClassVar[Tag] = Tag.FAILED
+    error_repr: str
+    traceback: str
+    pickled: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Arena:
+    """The worker's arena is now the file descriptor passed with this message."""
+
+    TAG: ClassVar[Tag] = Tag.ARENA
+    slots: int
+    slot_size: int
+
+
+Message = Union[Release, Task, Batch, PassEnd, Failed, Arena]
+_TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (Release, Task, Batch, PassEnd,
+                                                         Failed, Arena)}
+
+
+def encode(msg: Message) -> bytes:
+    """One framed message."""
+    body: bytes = msgpack.packb([int(msg.TAG), *astuple(msg)], use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def decode(body: bytes | memoryview) -> Message:
+    """The message in one frame body (the bytes after the length)."""
+    tag, *fields = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    try:
+        cls = _TYPES[tag]
+    except KeyError:
+        raise ValueError(f"unknown message tag {tag!r}") from None
+    msg: Message = cls(*fields)
+    return msg
+
+
+class FrameReader:
+    """Cuts a byte stream into messages; feed it whatever ``recv`` returned."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Message]:
+        self._buf += data
+        out: list[Message] = []
+        view = memoryview(self._buf)
+        pos = 0
+        try:
+            while len(view) - pos >= _LEN.size:
+                (size,) = _LEN.unpack_from(view, pos)
+                end = pos + _LEN.size + size
+                if end > len(view):
+                    break
+                out.append(decode(view[pos + _LEN.size:end]))
+                pos = end
+        finally:
+            view.release()
+        if pos:
+            del self._buf[:pos]
+        return out
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,367 @@
+"""worker_main(spec, sock): the loop of one worker process, a plain function.
+
+A worker reads (stream plan) or fetches (index plan) instances, batches and collates them
+straight into a free slot of its arena, and sends a small header over its socket. It runs its
+own event loop (uvloop when present) so that readers may be async generators. It stops when
+its socket reaches EOF (the parent closed it, or died), and on Linux the kernel kills it if
+the parent dies first (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import os
+import pickle
+import random
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from . import _wire as wire
+from ._arena import ArenaMap, SlotFull, SlotWriter, create_file, round_slot_size
+from ._codec import encode, tensors_nbytes
+from ._collate import use_allocator
+from ._info import WorkerInfo, set_worker_info
+from ._pipeline import BatchOptions, PassBatcher, async_batches, collate_with
+from ._samplers import derive_seed
+from ._sources import Kind, as_async, ashard, fetch, is_async, open_pass, shard, shard_spec
+
+Plan = Literal["stream", "instances", "index"]
+INSTANCE_CHUNK = 64  # instances per message when instances themselves are sent
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs; pickled as is for spawn and forkserver."""
+
+    source: Any
+    kind: Kind
+    data_path: Any
+    plan: Plan
+    options: BatchOptions
+    collate_fn: Callable[[list[Any]], Any] | None
+    worker_id: int
+    num_workers: int
+    rank: int
+    world_size: int
+    seed: int
+    first_pass: int
+    slots: int
+    parent_pid: int
+
+    def for_worker(self, worker_id: int) -> WorkerSpec:
+        return replace(self, worker_id=worker_id)
+
+    def seed_for(self, pass_no: int) -> int:
+        return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
+
+
+def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
+    """Entry point of a worker process."""
+    # A child forked after the parent used torch's intra-op pool can deadlock on its first
+    # parallel op (pytorch#17199); torch's own workers do the same.
+    torch.set_num_threads(1)
+    _detach_from_parent_signals(spec)
+    from . import _loops
+
+    _loops.run(_serve(spec, sock))
+
+
+def _detach_from_parent_signals(spec: WorkerSpec) -> None:
+    # Ctrl-C reaches the whole process group: the parent decides, workers must not die
+    # half-way through a batch.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A forked child inherits the parent loop's wake-up fd: signals here would wake it.
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread of the child: nothing was inherited
+        pass
+    # Python 3.11 keeps the forking thread's running loop in the child (fixed in 3.12).
+    asyncio.events._set_running_loop(None)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if spec.parent_pid and os.getppid() != spec.parent_pid and os.getppid() == 1:
+        os._exit(0)  # the parent died before we got here
+
+
+class _Channel:
+    """The worker's end of its socket: commands in, framed messages out, arena slots."""
+
+    def __init__(self, spec: WorkerSpec, sock: socket.socket) -> None:
+        self.spec = spec
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.frames = wire.FrameReader()
+        self.free: collections.deque[int] = collections.deque(range(spec.slots))
+        self.tasks: collections.deque[wire.Task] = collections.deque()
+        self.eof = False
+        self.arena: ArenaMap | None = None
+        self._wake: asyncio.Future[None] | None = None
+        sock.setblocking(False)
+        self.loop.add_reader(sock.fileno(), self._on_readable)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.sock.fileno())
+
+    def _on_readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.eof = True
+            self.loop.remove_reader(self.sock.fileno())
+        else:
+            for msg in self.frames.feed(data):
+                if isinstance(msg, wire.Release):
+                    self.free.append(msg.slot)
+                elif isinstance(msg, wire.Task):
+                    self.tasks.append(msg)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _until(self, ready: Callable[[], bool]) -> bool:
+        """Wait for ``ready()``; False when the parent went away first."""
+        while not ready():
+            if self.eof:
+                return False
+            self._wake = self.loop.create_future()
+            await self._wake
+        return True
+
+    async def slot(self) -> int | None:
+        if not await self._until(lambda: bool(self.free)):
+            return None
+        return self.free.popleft()
+
+    async def task(self) -> wire.Task | None:
+        if not await self._until(lambda: bool(self.tasks)):
+            return None
+        return self.tasks.popleft()
+
+    async def send(self, msg: wire.Message, fds: list[int] | None = None) -> None:
+        frame = wire.encode(msg)
+        if not fds:
+            await self.loop.sock_sendall(self.sock, frame)
+            return
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        while True:
+            try:
+                sent = self.sock.sendmsg([frame], ancillary)
+                break
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+        if sent < len(frame):
+            await self.loop.sock_sendall(self.sock, frame[sent:])
+
+    async def _writable(self) -> None:
+        fut: asyncio.Future[None] = self.loop.create_future()
+        fd = self.sock.fileno()
+        self.loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            self.loop.remove_writer(fd)
+
+    async def emit(self, seq: int, make: Callable[[], Any]) -> bool:
+        """Build one message body in a free slot with ``make()`` and send it."""
+        slot = await self.slot()
+        if slot is None:
+            return False
+        if self.arena is None:
+            payload = make()  # the first batch tells how large a slot must be
+            await self._grow(tensors_nbytes(payload), slot)
+        else:
+            writer = SlotWriter(self.arena, slot)
+            with use_allocator(writer.alloc):
+                payload = make()
+            if writer.overflow:
+                await self._grow(writer.pos - writer.start + writer.overflow, slot)
+        tree = await self._encode(payload, slot)
+        await self.send(wire.Batch(slot, seq, tree))
+        return True
+
+    async def _encode(self, payload: Any, slot: int) -> Any:
+        assert self.arena is not None
+        try:
+            return _packable(encode(payload, SlotWriter(self.arena, slot)))
+        except SlotFull as full:
+            await self._grow(full.needed, slot)
+            return _packable(encode(payload, SlotWriter(self.arena, slot)))
+
+    async def _grow(self, needed: int, holding: int) -> None:
+        """Replace the arena by one whose slots hold ``needed`` bytes.
+
+        Waits until the parent has given back every other slot, so that no batch it has
+        not yet copied out lies in the old arena.
+        """
+        if self.arena is not None and needed <= self.arena.slot_size:
+            return
+        others = self.spec.slots - 1
+        if not await self._until(lambda: len(self.free) >= others):
+            raise _ParentGone
+        size = round_slot_size(needed)
+        name = f"aioloader-w{self.spec.worker_id}"
+        fd = create_file(self.spec.slots * size, name)
+        try:
+            new = ArenaMap(fd, self.spec.slots, size)
+            await self.send(wire.Arena(self.spec.slots, size), fds=[fd])
+        finally:
+            os.close(fd)
+        if self.arena is not None:
+            self.arena.close()
+        self.arena = new
+        del holding
+
+
+class _ParentGone(Exception):
+    """The socket reached EOF: the parent closed it or died."""
+
+
+def _packable(tree: Any) -> Any:
+    import msgpack
+
+    try:
+        msgpack.packb(tree, use_bin_type=True)
+    except (TypeError, ValueError, UnicodeEncodeError, OverflowError):
+        return ["P", pickle.dumps(tree)]
+    return tree
+
+
+async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
+    chan = _Channel(spec, sock)
+    info = WorkerInfo(spec.num_workers, spec.worker_id, spec.seed_for(spec.first_pass),
+                      spec.rank, spec.world_size)
+    set_worker_info(info, dataset=spec.source)
+    _seed_everything(info.seed)
+    try:
+        if spec.plan == "index":
+            await _run_index(spec, chan)
+        else:
+            await _run_stream(spec, chan)
+    except _ParentGone:
+        pass
+    except BaseException as exc:  # noqa: BLE001 - everything is reported, then we exit
+        if chan.eof:
+            return
+        await _report(chan, exc)
+        chan.close()
+        sock.close()
+        os._exit(1)
+    finally:
+        chan.close()
+        sock.close()
+
+
+async def _report(chan: _Channel, exc: BaseException) -> None:
+    try:
+        pickled: bytes | None = pickle.dumps(exc)
+        pickle.loads(pickled)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - an exception that cannot travel still gets reported
+        pickled = None
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        await chan.send(wire.Failed(repr(exc), tb, pickled))
+    except OSError:
+        pass
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (1 << 32))
+    except ImportError:
+        pass
+
+
+def _collate(spec: WorkerSpec, group: list[Any]) -> Callable[[], Any]:
+    collate = collate_with(spec.collate_fn)
+    return lambda: collate(group)
+
+
+async def _instances(spec: WorkerSpec) -> AsyncIterator[Any]:
+    stream = open_pass(spec.source, spec.kind, spec.data_path)
+    index, count = shard_spec(spec.source, spec.kind, spec.worker_id, spec.num_workers,
+                              spec.rank, spec.world_size)
+    if is_async(stream):
+        agen = stream if count == 1 else ashard(stream, index, count)  # type: ignore[arg-type]
+        async for item in agen:  # type: ignore[union-attr]
+            yield item
+    else:
+        async for item in as_async(shard(stream, index, count)):  # type: ignore[arg-type]
+            yield item
+
+
+async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
+    """Passes over this worker's shard, one after the other, until the parent stops us."""
+    pass_no = spec.first_pass
+    while True:
+        seed = spec.seed_for(pass_no)
+        set_worker_info(WorkerInfo(spec.num_workers, spec.worker_id, seed, spec.rank,
+                                   spec.world_size), dataset=spec.source)
+        _seed_everything(seed)
+        sent = 0
+        if spec.plan == "instances":
+            sent = await _send_instances(spec, chan)
+        else:
+            batcher = PassBatcher(spec.options, seed)
+            async for group in async_batches(_instances(spec), batcher):
+                if not await chan.emit(sent, _collate(spec, group)):
+                    return
+                sent += 1
+        slot = await chan.slot()  # a pass end takes a slot too: bounded, even when empty
+        if slot is None:
+            return
+        await chan.send(wire.PassEnd(slot, pass_no, sent))
+        if spec.plan == "instances":
+            await chan._until(lambda: False)  # one pass only: wait for the parent to close
+            return
+        pass_no += 1
+
+
+async def _send_instances(spec: WorkerSpec, chan: _Channel) -> int:
+    chunk: list[Any] = []
+    sent = 0
+    async for inst in _instances(spec):
+        chunk.append(inst)
+        if len(chunk) >= INSTANCE_CHUNK:
+            if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]
+                raise _ParentGone
+            sent += 1
+            chunk = []
+    if chunk:
+        if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]
+            raise _ParentGone
+        sent += 1
+    return sent
+
+
+async def _run_index(spec: WorkerSpec, chan: _Channel) -> None:
+    """Fetch and collate the index batches the parent sends, in the order it sends them."""
+    while True:
+        task = await chan.task()
+        if task is None:
+            return
+        group = fetch(spec.source, task.indices)
+        if not await chan.emit(task.seq, _collate(spec, group)):
+            return
