@@ -57,7 +57,7 @@ def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     out = alloc(shape, dtype)
     # A wrong shape would make torch.stack resize `out` silently, away from the allocator's memory.
-    if out.shape != shape or out.dtype != dtype or out.device.type != "cpu":
+    if out.shape != shape or out.dtype != dtype or not out.is_cpu:
         raise ValueError(
             f"allocator {alloc!r} returned a {out.device.type} tensor of {tuple(out.shape)} "
             f"{out.dtype}; asked for a cpu tensor of {shape} {dtype}"

@@ -7,6 +7,7 @@ import itertools
 import os
 import random
 import weakref
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,6 +45,47 @@ class _Box:
         session, self.session = self.session, None
         if session is not None:
             session.kill()
+
+
+@dataclass(frozen=True)
+class _Planner:
+    """Which instances form each batch of a pass, decided in the main process.
+
+    Kept apart from the loader so that the sessions holding it do not keep the loader alive
+    (the garbage collector's backstop must be able to run).
+    """
+
+    batch_size: int | None
+    drop_last: bool
+    shuffle: bool
+    sampler: Any
+    base_seed: int
+
+    def passes(self, data: Sequence[Any], first_pass: int) -> Iterator[list[list[int]]]:
+        for pass_no in itertools.count(first_pass):
+            yield self.plan(data, pass_no)
+
+    def plan(self, data: Sequence[Any], pass_no: int) -> list[list[int]]:
+        sampler = self.sampler
+        if sampler is not None and not isinstance(sampler, BatchSampler):
+            return [[int(i) for i in batch] for batch in sampler]
+        rng = random.Random(derive_seed(self.base_seed, pass_no))
+        source: Any = data if sampler is not None else len(data)
+        return plan_indices(source, batch_size=self.batch_size, drop_last=self.drop_last,
+                            shuffle=self.shuffle, sampler=sampler, rng=rng)
+
+    def num_batches(self, data: Sequence[Any]) -> int:
+        sampler = self.sampler
+        if sampler is None:
+            assert self.batch_size is not None
+            return num_batches(len(data), self.batch_size, self.drop_last)
+        if isinstance(sampler, BatchSampler):
+            return sampler.get_num_batches(data)
+        return len(sampler)
+
+    def seed_for(self, pass_no: int) -> int:
+        rank, _ = _distributed()
+        return derive_seed(self.base_seed, pass_no, rank, 0)
 
 
 class DataLoader:
@@ -112,6 +154,8 @@ class DataLoader:
             batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
             sampler=batch_sampler if isinstance(batch_sampler, BatchSampler) else None,
             chunk_size=max_instances_in_memory)
+        self._planner = _Planner(batch_size, drop_last, shuffle, batch_sampler,
+                                 self._base_seed)
         self._cache: CachedInstances | None = None
         self._next_pass = 0  # the pass a new session starts with
         self._box = _Box()
@@ -149,7 +193,7 @@ class DataLoader:
         if self.batches_per_epoch is not None:
             return self.batches_per_epoch
         if self._kind is Kind.MAP:
-            return self._plan_len(self.reader)
+            return self._planner.num_batches(self.reader)
         if self.max_instances_in_memory is not None:
             raise TypeError(
                 "a lazy loader (max_instances_in_memory set) does not know its length: pass "
@@ -159,7 +203,7 @@ class DataLoader:
 
             run_blocking(self._ensure_cache)
         assert self._cache is not None
-        return self._plan_len(self._cache)
+        return self._planner.num_batches(self._cache)
 
     async def iter_instances(self) -> AsyncIterator[Any]:
         """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
@@ -294,12 +338,12 @@ class DataLoader:
         else:
             if self.num_workers == 0:
                 return LocalStream(self.reader, self._kind, self.data_path, self._options,
-                                   self.collate_fn, self._seed_for, first_pass)
+                                   self.collate_fn, self._planner.seed_for, first_pass)
             sup = Supervisor(self._spec("stream", self.reader, self._kind, first_pass),
                              self.num_workers, self.start_method)
             await sup.start()
             return WorkerStream(sup)
-        passes = self._index_passes(data, first_pass)
+        passes = self._planner.passes(data, first_pass)
         if self.num_workers == 0:
             return LocalIndex(data, passes, self.collate_fn)
         sup = Supervisor(self._spec("index", data, Kind.MAP, first_pass),
@@ -315,34 +359,6 @@ class DataLoader:
             num_workers=self.num_workers, rank=rank, world_size=world_size,
             seed=self._base_seed, first_pass=first_pass, slots=self.prefetch,
             parent_pid=os.getpid() if self.start_method != "forkserver" else 0)
-
-    def _seed_for(self, pass_no: int) -> int:
-        rank, _ = _distributed()
-        return derive_seed(self._base_seed, pass_no, rank, 0)
-
-    # ------------------------------------------------------------------ planning
-
-    def _index_passes(self, data: Sequence[Any], first_pass: int) -> Iterator[list[list[int]]]:
-        for pass_no in itertools.count(first_pass):
-            yield self._plan(data, pass_no)
-
-    def _plan(self, data: Sequence[Any], pass_no: int) -> list[list[int]]:
-        sampler = self.batch_sampler
-        if sampler is not None and not isinstance(sampler, BatchSampler):
-            return [[int(i) for i in batch] for batch in sampler]
-        rng = random.Random(derive_seed(self._base_seed, pass_no))
-        source: Any = data if sampler is not None else len(data)
-        return plan_indices(source, batch_size=self.batch_size, drop_last=self.drop_last,
-                            shuffle=self.shuffle, sampler=sampler, rng=rng)
-
-    def _plan_len(self, data: Sequence[Any]) -> int:
-        sampler = self.batch_sampler
-        if sampler is None:
-            assert self.batch_size is not None
-            return num_batches(len(data), self.batch_size, self.drop_last)
-        if isinstance(sampler, BatchSampler):
-            return sampler.get_num_batches(data)
-        return len(sampler)
 
     # ------------------------------------------------------------------ reading
 

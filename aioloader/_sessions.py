@@ -12,12 +12,13 @@ import asyncio
 import collections
 import itertools
 import pickle
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import _wire as wire
-from ._pipeline import BatchOptions, PassBatcher, async_batches, collate_with, sync_batches
+from ._pipeline import BatchOptions, PassBatcher, collate_with, sync_batches
 from ._sources import Kind, fetch, is_async, open_pass
 from ._supervisor import Supervisor
 
@@ -86,6 +87,69 @@ def _next_or_end(it: Iterator[Any]) -> Any:
     return next(it, _END)
 
 
+class _LocalPass:
+    """The state of one pass of a :class:`LocalStream`; plain objects, no generators of ours.
+
+    A session outlives the event loop of one epoch (the sync adapter runs a loop per
+    epoch), and a loop closes the async generators first iterated on it when it shuts down.
+    So the pass is kept as plain state, and the reader's own async iterator is started
+    without the loop's hooks (see :func:`_anext_unhooked`).
+    """
+
+    def __init__(self, stream: Any, batcher: PassBatcher, collate: Callable[[list[Any]], Any]):
+        self.collate = collate
+        self.produced = 0
+        self.async_it: Any = None
+        self.sync_it: Iterator[Any] | None = None
+        if is_async(stream):
+            self.async_it = stream.__aiter__()
+            self.batcher = batcher
+            self.groups: collections.deque[list[Any]] = collections.deque()
+            self.exhausted = False
+        else:
+            self.sync_it = (collate(g) for g in sync_batches(stream, batcher))
+
+    async def next(self) -> Any:
+        """The next collated batch, or _END."""
+        if self.sync_it is not None:
+            return await _Thread.run(_next_or_end, self.sync_it)
+        while not self.groups and not self.exhausted:
+            try:
+                instance = await _anext_unhooked(self.async_it)
+            except StopAsyncIteration:
+                self.groups.extend(self.batcher.finish())
+                self.exhausted = True
+            else:
+                self.groups.extend(self.batcher.feed(instance))
+        if not self.groups:
+            return _END
+        return self.collate(self.groups.popleft())
+
+    async def aclose(self) -> None:
+        self.close()
+        aclose = getattr(self.async_it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def close(self) -> None:
+        it, self.sync_it = self.sync_it, None
+        if it is not None:
+            try:
+                it.close()  # type: ignore[attr-defined]
+            except ValueError:  # still running in its thread (a timeout): it ends on its own
+                pass
+
+
+def _anext_unhooked(it: Any) -> Any:
+    """``it.__anext__()``, with an async generator's first step not tied to this loop."""
+    hooks = sys.get_asyncgen_hooks()
+    sys.set_asyncgen_hooks(firstiter=None, finalizer=None)
+    try:
+        return it.__anext__()
+    finally:
+        sys.set_asyncgen_hooks(*hooks)
+
+
 class LocalStream:
     """Passes over a reader or IterableDataset, batched and collated in this process."""
 
@@ -96,31 +160,22 @@ class LocalStream:
         self._options = options
         self._collate = collate_with(collate_fn)
         self._seed_for = seed_for
-        self._gen = self._passes(first_pass)
-        self._sync_it: Iterator[Any] | None = None
+        self._pass_no = first_pass
+        self._pass: _LocalPass | None = None
 
     async def next(self) -> Step:
-        return await self._gen.__anext__()
-
-    async def _passes(self, pass_no: int) -> AsyncIterator[Step]:
-        while True:
-            batcher = PassBatcher(self._options, self._seed_for(pass_no))
+        if self._pass is None:
+            batcher = PassBatcher(self._options, self._seed_for(self._pass_no))
             stream = open_pass(self._source, self._kind, self._data_path)
-            produced = 0
-            if is_async(stream):
-                async for group in async_batches(stream, batcher):  # type: ignore[arg-type]
-                    produced += 1
-                    yield Delivered(self._collate(group))
-            else:
-                collate = self._collate
-                it = (collate(g) for g in sync_batches(stream, batcher))  # type: ignore[arg-type]
-                self._sync_it = it
-                while (value := await _Thread.run(_next_or_end, it)) is not _END:
-                    produced += 1
-                    yield Delivered(value)
-                self._sync_it = None
-            yield PassDone(produced == 0)
-            pass_no += 1
+            self._pass = _LocalPass(stream, batcher, self._collate)
+        value = await self._pass.next()
+        if value is not _END:
+            self._pass.produced += 1
+            return Delivered(value)
+        done = PassDone(self._pass.produced == 0)
+        self._pass = None
+        self._pass_no += 1
+        return done
 
     def behind(self) -> str:
         return "the reader in this process (num_workers=0)"
@@ -132,19 +187,17 @@ class LocalStream:
         pass
 
     async def aclose(self) -> None:
-        self.kill()
-        await self._gen.aclose()
+        current, self._pass = self._pass, None
+        if current is not None:
+            await current.aclose()
 
     def close(self) -> None:
         self.kill()
 
     def kill(self) -> None:
-        it, self._sync_it = self._sync_it, None
-        if it is not None:
-            try:
-                it.close()  # type: ignore[attr-defined]
-            except ValueError:  # still running in its thread (a timeout): it ends on its own
-                pass
+        current, self._pass = self._pass, None
+        if current is not None:
+            current.close()
 
 
 class LocalIndex:

@@ -181,30 +181,36 @@ class _Channel:
             self.loop.remove_writer(fd)
 
     async def emit(self, seq: int, make: Callable[[], Any]) -> bool:
-        """Build one message body in a free slot with ``make()`` and send it."""
+        """Build one message body in a free slot with ``make()`` and send it.
+
+        The collate writes straight into the slot (its allocator); whatever it made
+        elsewhere is copied in by the encoder. A batch larger than a slot grows the arena.
+        """
         slot = await self.slot()
         if slot is None:
             return False
         if self.arena is None:
             payload = make()  # the first batch tells how large a slot must be
             await self._grow(tensors_nbytes(payload), slot)
+            writer = self._writer(slot)
         else:
-            writer = SlotWriter(self.arena, slot)
+            writer = self._writer(slot)
             with use_allocator(writer.alloc):
                 payload = make()
             if writer.overflow:
                 await self._grow(writer.pos - writer.start + writer.overflow, slot)
-        tree = await self._encode(payload, slot)
-        await self.send(wire.Batch(slot, seq, tree))
-        return True
-
-    async def _encode(self, payload: Any, slot: int) -> Any:
-        assert self.arena is not None
+                writer = self._writer(slot)
         try:
-            return _packable(encode(payload, SlotWriter(self.arena, slot)))
+            tree = encode(payload, writer)
         except SlotFull as full:
             await self._grow(full.needed, slot)
-            return _packable(encode(payload, SlotWriter(self.arena, slot)))
+            tree = encode(payload, self._writer(slot))
+        await self.send(wire.Batch(slot, seq, _packable(tree)))
+        return True
+
+    def _writer(self, slot: int) -> SlotWriter:
+        assert self.arena is not None
+        return SlotWriter(self.arena, slot)
 
     async def _grow(self, needed: int, holding: int) -> None:
         """Replace the arena by one whose slots hold ``needed`` bytes.

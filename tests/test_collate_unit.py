@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import pickle
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -62,6 +63,7 @@ def dtype_tensor(dtype: torch.dtype, i: int) -> torch.Tensor:
 
 
 def collatable_dtypes() -> list[torch.dtype]:
+    warnings.filterwarnings("ignore", "ComplexHalf support is experimental")
     out = []
     for name in sorted(dir(torch)):
         dt = getattr(torch, name)
@@ -154,6 +156,7 @@ def test_equals_torch_default_collate(kind: str, n: int) -> None:
     assert_same(ours, theirs, kind)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("dtype", collatable_dtypes(), ids=str)
 def test_every_dtype_torch_supports(dtype: torch.dtype) -> None:
     samples = [dtype_tensor(dtype, i) for i in range(3)]
@@ -236,6 +239,7 @@ def test_mixed_number_types_raise_like_torch() -> None:
     raises_like_torch([torch.zeros(2), 3])
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
 def test_sparse_and_nested_tensors_raise_like_torch() -> None:
     err = raises_like_torch([torch.eye(2).to_sparse()] * 2)
     assert "sparse" in str(err)
