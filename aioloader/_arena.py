@@ -9,6 +9,7 @@ batch.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
@@ -76,10 +77,8 @@ class ArenaMap:
         mm, self._mm = self._mm, None
         del self.bytes
         if mm is not None:
-            try:
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:
-                pass
 
 
 class SlotFull(Exception):

@@ -7,8 +7,8 @@ import itertools
 import os
 import random
 import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -205,7 +205,7 @@ class DataLoader:
         assert self._cache is not None
         return self._planner.num_batches(self._cache)
 
-    async def iter_instances(self) -> AsyncIterator[Any]:
+    async def iter_instances(self) -> AsyncGenerator[Any, None]:
         """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
         if self._kind is Kind.MAP:
             for i in range(len(self.reader)):
@@ -251,7 +251,7 @@ class DataLoader:
 
     # ------------------------------------------------------------------ epochs
 
-    async def _iterate(self, device: torch.device | None) -> AsyncIterator[Any]:
+    async def _iterate(self, device: torch.device | None) -> AsyncGenerator[Any, None]:
         if self._running:
             raise LoaderBusyError(
                 "this loader is already being iterated: finish or close that epoch first, "
@@ -374,7 +374,7 @@ class DataLoader:
             self._cache = CachedInstances(items)
         return self._cache
 
-    async def _read_pass(self) -> AsyncIterator[Any]:
+    async def _read_pass(self) -> AsyncGenerator[Any, None]:
         """One pass of instances: in this process, or through workers (sharded)."""
         if self.num_workers == 0:
             stream = local_instances(self.reader, self._kind, self.data_path)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._collate import default_collate
-from ._samplers import BatchSampler, Batcher, use_rng
+from ._samplers import Batcher, BatchSampler, use_rng
 
 
 @dataclass(frozen=True)

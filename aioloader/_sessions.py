@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import pickle
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -243,7 +244,7 @@ def _steps(passes: Iterator[list[list[int]]]) -> Iterator[list[int] | PassDone]:
         yield PassDone(not batches)
 
 
-async def local_instances(source: Any, kind: Kind, data_path: Any) -> AsyncIterator[Any]:
+async def local_instances(source: Any, kind: Kind, data_path: Any) -> AsyncGenerator[Any, None]:
     """The instances of one pass, read in this process (a sync reader in a thread)."""
     stream = open_pass(source, kind, data_path)
     if is_async(stream):
@@ -262,10 +263,8 @@ async def local_instances(source: Any, kind: Kind, data_path: Any) -> AsyncItera
     finally:
         close = getattr(it, "close", None)
         if close is not None:
-            try:
+            with contextlib.suppress(ValueError):
                 close()
-            except ValueError:
-                pass
 
 
 # ---------------------------------------------------------------------- through workers

@@ -63,8 +63,9 @@ def classify(source: Any) -> Kind:
 def open_pass(source: Any, kind: Kind, data_path: Any) -> Iterable[Any] | AsyncIterable[Any]:
     """The instances of one pass over a streaming source."""
     if kind is Kind.ITERABLE:
-        return iter(source)
-    stream = source.read(data_path)
+        it: Iterable[Any] = iter(source)
+        return it
+    stream: Iterable[Any] | AsyncIterable[Any] = source.read(data_path)
     if isinstance(stream, (Iterable, AsyncIterable)):
         return stream
     raise TypeError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import os
 import pickle
 import socket
@@ -40,10 +41,8 @@ _PARENT_FDS: set[int] = set()
 
 def _close_parent_fds_in_child() -> None:
     for fd in list(_PARENT_FDS):
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _PARENT_FDS.clear()
 
 
@@ -107,7 +106,7 @@ class Supervisor:
 
     async def start(self) -> None:
         self.check_picklable()
-        ctx = torch.multiprocessing.get_context(self.start_method)
+        ctx: Any = torch.multiprocessing.get_context(self.start_method)
         loop = asyncio.get_running_loop()
         try:
             for k in range(self.num_workers):
@@ -291,12 +290,12 @@ class Supervisor:
         started = [w for w in self.workers if w.process.pid is not None]
         for w in started:
             w.process.join(max(0.0, deadline - time.monotonic()))
-        for signal_it in (lambda p: p.terminate(), lambda p: p.kill()):
+        for escalate in (BaseProcess.terminate, BaseProcess.kill):
             alive = [w for w in started if w.process.exitcode is None]
             if not alive:
                 break
             for w in alive:
-                signal_it(w.process)
+                escalate(w.process)
             deadline = time.monotonic() + GRACE
             for w in alive:
                 w.process.join(max(0.0, deadline - time.monotonic()))
@@ -315,8 +314,6 @@ def _worker_error(w: WorkerState, msg: wire.Failed) -> WorkerError:
         "  Traceback from the worker:\n  " + msg.traceback.rstrip().replace("\n", "\n  "),
         worker_id=w.id, pid=w.pid)
     if msg.pickled is not None:
-        try:
+        with contextlib.suppress(Exception):
             err.__cause__ = pickle.loads(msg.pickled)
-        except Exception:  # noqa: BLE001 - the message already says everything
-            pass
     return err

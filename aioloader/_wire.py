@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import astuple, dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -89,7 +89,7 @@ class Arena:
     slot_size: int
 
 
-Message = Union[Release, Task, Batch, PassEnd, Failed, Arena]
+Message = Release | Task | Batch | PassEnd | Failed | Arena
 _TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (Release, Task, Batch, PassEnd,
                                                          Failed, Arena)}
 

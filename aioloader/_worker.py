@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import contextlib
 import os
 import pickle
 import random
@@ -174,7 +175,11 @@ class _Channel:
     async def _writable(self) -> None:
         fut: asyncio.Future[None] = self.loop.create_future()
         fd = self.sock.fileno()
-        self.loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self.loop.add_writer(fd, ready)
         try:
             await fut
         finally:
@@ -264,7 +269,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
             await _run_stream(spec, chan)
     except _ParentGone:
         pass
-    except BaseException as exc:  # noqa: BLE001 - everything is reported, then we exit
+    except BaseException as exc:
         if chan.eof:
             return
         await _report(chan, exc)
@@ -280,13 +285,11 @@ async def _report(chan: _Channel, exc: BaseException) -> None:
     try:
         pickled: bytes | None = pickle.dumps(exc)
         pickle.loads(pickled)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - an exception that cannot travel still gets reported
+    except Exception:
         pickled = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
+    with contextlib.suppress(OSError):
         await chan.send(wire.Failed(repr(exc), tb, pickled))
-    except OSError:
-        pass
 
 
 def _seed_everything(seed: int) -> None:

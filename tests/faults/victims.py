@@ -1,0 +1,146 @@
+"""Module-level readers, datasets and collates for the fault tests (spawn can pickle them)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+import aioloader
+
+
+def explode_in_collate(batch: list[Any]) -> Any:
+    """A collate that raises on its second batch."""
+    if any(item["index"] >= 4 for item in batch):
+        raise ValueError("explode_in_collate: bad batch")
+    return aioloader.default_collate(batch)
+
+
+def collate_returns_lambda(batch: list[Any]) -> Any:
+    return {"index": torch.tensor([b["index"] for b in batch]), "fn": lambda: None}
+
+
+def _gen() -> Any:
+    yield 1
+
+
+def collate_returns_generator(batch: list[Any]) -> Any:
+    return _gen()
+
+
+class ExplodingReader(aioloader.Reader):
+    """Raises from a function whose name the test looks for in the worker traceback."""
+
+    def __init__(self, n: int, fail_at: int) -> None:
+        self.n = n
+        self.fail_at = fail_at
+
+    def read(self, data_path: Any = None) -> Any:
+        for i in range(self.n):
+            if i == self.fail_at:
+                explode_in_read(i)
+            yield {"index": i}
+
+
+def explode_in_read(i: int) -> None:
+    raise KeyError(f"explode_in_read: instance {i}")
+
+
+class AsyncExplodingReader(ExplodingReader):
+    async def read(self, data_path: Any = None) -> Any:  # type: ignore[override]
+        for i in range(self.n):
+            if i == self.fail_at:
+                explode_in_async_read(i)
+            yield {"index": i}
+
+
+def explode_in_async_read(i: int) -> None:
+    raise KeyError(f"explode_in_async_read: instance {i}")
+
+
+class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A map-style dataset of ``{"index": i, "x": zeros(width)}``."""
+
+    def __init__(self, n: int, width: int = 4) -> None:
+        self.n = n
+        self.width = width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i, "x": torch.zeros(self.width)}
+
+
+class PlainReader(aioloader.Reader):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def read(self, data_path: Any = None) -> Any:
+        for i in range(self.n):
+            yield {"index": i}
+
+
+class UnpicklableReader(PlainReader):
+    """Holds a lock: fine with fork, impossible to send to a spawned worker."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.lock = threading.Lock()
+
+
+class StartsMarker(PlainReader):
+    """Writes a marker file when a worker starts reading (to prove none started)."""
+
+    def __init__(self, n: int, marker: str) -> None:
+        super().__init__(n)
+        self.marker = marker
+        self.lock = threading.Lock()
+
+    def read(self, data_path: Any = None) -> Any:
+        with open(self.marker, "w") as f:
+            f.write(str(os.getpid()))
+        yield from super().read(data_path)
+
+
+class Shards(aioloader.Reader):
+    """Shards itself by instance file: ``shards`` files, each worker reads its own files."""
+
+    manual_multiprocess_sharding = True
+
+    def __init__(self, shards: int, per_shard: int) -> None:
+        self.shards = shards
+        self.per_shard = per_shard
+
+    def read(self, data_path: Any = None) -> Any:
+        info = aioloader.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for shard in range(wid, self.shards, nw):
+            for j in range(self.per_shard):
+                yield {"index": shard * self.per_shard + j}
+
+
+class BigBatches(aioloader.Reader):
+    """Instances of ``mb`` MiB each (uint8), for the small-/dev/shm test."""
+
+    def __init__(self, n: int, mb: int) -> None:
+        self.n = n
+        self.mb = mb
+
+    def read(self, data_path: Any = None) -> Any:
+        for i in range(self.n):
+            yield {"index": i, "x": torch.full((self.mb << 20,), i % 251, dtype=torch.uint8)}
+
+
+class BigDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, n: int, mb: int) -> None:
+        self.n = n
+        self.mb = mb
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i, "x": torch.full((self.mb << 20,), i % 251, dtype=torch.uint8)}
