@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._device import DeviceLike, as_device, move_to
+from ._distributed import Topology, all_reduce, even_out, shard_indices, topology
 from ._errors import LoaderBusyError, LoaderTimeoutError
 from ._pipeline import BatchOptions
 from ._samplers import BatchSampler, derive_seed, num_batches, plan_indices
@@ -60,22 +61,53 @@ class _Planner:
     shuffle: bool
     sampler: Any
     base_seed: int
+    topo: Topology
+    even_batches: bool
 
-    def passes(self, data: Sequence[Any], first_pass: int) -> Iterator[list[list[int]]]:
+    def passes(self, data: Sequence[Any], first_pass: int,
+               shared: bool) -> Iterator[list[list[int]]]:
         for pass_no in itertools.count(first_pass):
-            yield self.plan(data, pass_no)
+            yield self.plan(data, pass_no, shared)
 
-    def plan(self, data: Sequence[Any], pass_no: int) -> list[list[int]]:
-        sampler = self.sampler
-        if sampler is not None and not isinstance(sampler, BatchSampler):
-            return [[int(i) for i in batch] for batch in sampler]
+    def plan(self, data: Sequence[Any], pass_no: int, shared: bool) -> list[list[int]]:
+        """The index batches of pass ``pass_no`` for this rank.
+
+        ``shared``: every rank holds the same ``data`` (a map-style dataset), so the ranks
+        split one plan; otherwise ``data`` is this rank's own shard (a cached reader).
+        """
+        sampler, topo = self.sampler, self.topo
         rng = random.Random(derive_seed(self.base_seed, pass_no))
-        source: Any = data if sampler is not None else len(data)
-        return plan_indices(source, batch_size=self.batch_size, drop_last=self.drop_last,
-                            shuffle=self.shuffle, sampler=sampler, rng=rng)
+        if sampler is None and shared and topo.distributed:
+            assert self.batch_size is not None
+            order = list(range(len(data)))
+            if self.shuffle:
+                rng.shuffle(order)
+            mine = shard_indices(len(data), topo.rank, topo.world_size,
+                                 even=self.even_batches, drop_last=self.drop_last, order=order)
+            batches = [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+            if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+                batches.pop()
+            return batches
+        if sampler is not None and not isinstance(sampler, BatchSampler):
+            batches = [[int(i) for i in batch] for batch in sampler]
+        else:
+            source: Any = data if sampler is not None else len(data)
+            batches = plan_indices(source, batch_size=self.batch_size,
+                                   drop_last=self.drop_last, shuffle=self.shuffle,
+                                   sampler=sampler, rng=rng)
+        if topo.distributed and shared:
+            total = len(batches)
+            batches = batches[topo.rank::topo.world_size]
+            if self.even_batches:
+                batches = even_out(batches, -(-total // topo.world_size))
+        elif topo.distributed and self.even_batches:
+            batches = even_out(batches, all_reduce(topo, len(batches), "max"))
+        return batches
 
-    def num_batches(self, data: Sequence[Any]) -> int:
+    def num_batches(self, data: Sequence[Any], shared: bool) -> int:
         sampler = self.sampler
+        if self.topo.distributed:
+            return len(self.plan(data, 0, shared))
         if sampler is None:
             assert self.batch_size is not None
             return num_batches(len(data), self.batch_size, self.drop_last)
@@ -84,8 +116,7 @@ class _Planner:
         return len(sampler)
 
     def seed_for(self, pass_no: int) -> int:
-        rank, _ = _distributed()
-        return derive_seed(self.base_seed, pass_no, rank, 0)
+        return derive_seed(self.base_seed, pass_no, self.topo.rank, 0)
 
 
 class DataLoader:
@@ -121,6 +152,7 @@ class DataLoader:
         seed: int | None = None,
         timeout: float | None = None,
         prefetch: int = 4,
+        even_batches: bool = True,
     ) -> None:
         _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
                   batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
@@ -148,14 +180,19 @@ class DataLoader:
         self.seed = seed
         self.timeout = timeout
         self.prefetch = prefetch
+        self.even_batches = even_batches
         self._device = as_device(cuda_device)
-        self._base_seed = seed if seed is not None else random.SystemRandom().getrandbits(63)
+        self._topo = topology(even_batches)
+        if seed is None:
+            # Ranks must agree on one shuffle; like DistributedSampler, default to seed 0.
+            seed = 0 if self._topo.distributed else random.SystemRandom().getrandbits(63)
+        self._base_seed = seed
         self._options = BatchOptions(
             batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
             sampler=batch_sampler if isinstance(batch_sampler, BatchSampler) else None,
             chunk_size=max_instances_in_memory)
         self._planner = _Planner(batch_size, drop_last, shuffle, batch_sampler,
-                                 self._base_seed)
+                                 self._base_seed, self._topo, even_batches)
         self._cache: CachedInstances | None = None
         self._next_pass = 0  # the pass a new session starts with
         self._box = _Box()
@@ -193,7 +230,7 @@ class DataLoader:
         if self.batches_per_epoch is not None:
             return self.batches_per_epoch
         if self._kind is Kind.MAP:
-            return self._planner.num_batches(self.reader)
+            return self._planner.num_batches(self.reader, shared=True)
         if self.max_instances_in_memory is not None:
             raise TypeError(
                 "a lazy loader (max_instances_in_memory set) does not know its length: pass "
@@ -203,7 +240,7 @@ class DataLoader:
 
             run_blocking(self._ensure_cache)
         assert self._cache is not None
-        return self._planner.num_batches(self._cache)
+        return self._planner.num_batches(self._cache, shared=False)
 
     async def iter_instances(self) -> AsyncGenerator[Any, None]:
         """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
@@ -269,6 +306,10 @@ class DataLoader:
                 produced = 0
                 while self.batches_per_epoch is None or produced < self.batches_per_epoch:
                     step = await self._step(session)
+                    if self._agree_each_batch() and not await self._all_have(step):
+                        await self._skip_rest_of_pass(session, step)
+                        self._next_pass += 1
+                        break
                     if isinstance(step, PassDone):
                         self._next_pass += 1
                         if self.batches_per_epoch is None or step.empty:
@@ -307,6 +348,20 @@ class DataLoader:
         finally:
             self._running = False
 
+    def _agree_each_batch(self) -> bool:
+        """Streams have no length: with even_batches, ranks agree batch by batch."""
+        return (self._topo.distributed and self.even_batches and self.batches_per_epoch is None
+                and self._kind is not Kind.MAP and self.max_instances_in_memory is not None)
+
+    async def _all_have(self, step: Delivered | PassDone) -> bool:
+        have = 1 if isinstance(step, Delivered) else 0
+        loop = asyncio.get_running_loop()
+        return bool(await loop.run_in_executor(None, all_reduce, self._topo, have, "min"))
+
+    async def _skip_rest_of_pass(self, session: Session, step: Delivered | PassDone) -> None:
+        while not isinstance(step, PassDone):
+            step = await self._step(session)
+
     def _bar(self) -> Any:
         from tqdm.auto import tqdm
 
@@ -338,12 +393,13 @@ class DataLoader:
         else:
             if self.num_workers == 0:
                 return LocalStream(self.reader, self._kind, self.data_path, self._options,
-                                   self.collate_fn, self._planner.seed_for, first_pass)
+                                   self.collate_fn, self._planner.seed_for, first_pass,
+                                   self._topo.rank, self._topo.world_size)
             sup = Supervisor(self._spec("stream", self.reader, self._kind, first_pass),
                              self.num_workers, self.start_method)
             await sup.start()
             return WorkerStream(sup)
-        passes = self._planner.passes(data, first_pass)
+        passes = self._planner.passes(data, first_pass, shared=self._kind is Kind.MAP)
         if self.num_workers == 0:
             return LocalIndex(data, passes, self.collate_fn)
         sup = Supervisor(self._spec("index", data, Kind.MAP, first_pass),
@@ -352,7 +408,7 @@ class DataLoader:
         return WorkerIndex(sup, passes, self.prefetch)
 
     def _spec(self, plan: Plan, source: Any, kind: Kind, first_pass: int) -> WorkerSpec:
-        rank, world_size = _distributed()
+        rank, world_size = self._topo.rank, self._topo.world_size
         return WorkerSpec(
             source=source, kind=kind, data_path=self.data_path, plan=plan,
             options=self._options, collate_fn=self.collate_fn, worker_id=0,
@@ -377,7 +433,8 @@ class DataLoader:
     async def _read_pass(self) -> AsyncGenerator[Any, None]:
         """One pass of instances: in this process, or through workers (sharded)."""
         if self.num_workers == 0:
-            stream = local_instances(self.reader, self._kind, self.data_path)
+            stream = local_instances(self.reader, self._kind, self.data_path, self._topo.rank,
+                                     self._topo.world_size)
             try:
                 while True:
                     try:
@@ -410,15 +467,6 @@ class DataLoader:
         except TimeoutError as exc:
             raise LoaderTimeoutError(
                 f"no instance within timeout={self.timeout}s from {who}") from exc
-
-
-def _distributed() -> tuple[int, int]:
-    """(rank, world_size) of the torch.distributed process group, (0, 1) without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from . import _wire as wire
 from ._pipeline import BatchOptions, PassBatcher, collate_with, sync_batches
-from ._sources import Kind, fetch, is_async, open_pass
+from ._sources import Kind, fetch, is_async, open_shard
 from ._supervisor import Supervisor
 
 
@@ -156,8 +156,10 @@ class LocalStream:
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, options: BatchOptions,
                  collate_fn: Callable[[list[Any]], Any] | None,
-                 seed_for: Callable[[int], int], first_pass: int) -> None:
+                 seed_for: Callable[[int], int], first_pass: int, rank: int = 0,
+                 world_size: int = 1) -> None:
         self._source, self._kind, self._data_path = source, kind, data_path
+        self._rank, self._world_size = rank, world_size
         self._options = options
         self._collate = collate_with(collate_fn)
         self._seed_for = seed_for
@@ -167,7 +169,8 @@ class LocalStream:
     async def next(self) -> Step:
         if self._pass is None:
             batcher = PassBatcher(self._options, self._seed_for(self._pass_no))
-            stream = open_pass(self._source, self._kind, self._data_path)
+            stream = open_shard(self._source, self._kind, self._data_path, 0, 1, self._rank,
+                                self._world_size)
             self._pass = _LocalPass(stream, batcher, self._collate)
         value = await self._pass.next()
         if value is not _END:
@@ -244,9 +247,10 @@ def _steps(passes: Iterator[list[list[int]]]) -> Iterator[list[int] | PassDone]:
         yield PassDone(not batches)
 
 
-async def local_instances(source: Any, kind: Kind, data_path: Any) -> AsyncGenerator[Any, None]:
+async def local_instances(source: Any, kind: Kind, data_path: Any, rank: int = 0,
+                          world_size: int = 1) -> AsyncGenerator[Any, None]:
     """The instances of one pass, read in this process (a sync reader in a thread)."""
-    stream = open_pass(source, kind, data_path)
+    stream = open_shard(source, kind, data_path, 0, 1, rank, world_size)
     if is_async(stream):
         async for item in stream:  # type: ignore[union-attr]
             yield item

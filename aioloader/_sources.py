@@ -112,6 +112,18 @@ async def ashard(stream: AsyncIterable[Any], index: int, count: int) -> AsyncIte
         pos += 1
 
 
+def open_shard(source: Any, kind: Kind, data_path: Any, worker: int, num_workers: int,
+               rank: int, world_size: int) -> Iterable[Any] | AsyncIterable[Any]:
+    """One pass over this process's shard of a streaming source (sync or async, as it is)."""
+    stream = open_pass(source, kind, data_path)
+    index, count = shard_spec(source, kind, worker, num_workers, rank, world_size)
+    if count == 1:
+        return stream
+    if is_async(stream):
+        return ashard(stream, index, count)  # type: ignore[arg-type]
+    return shard(stream, index, count)  # type: ignore[arg-type]
+
+
 async def as_async(stream: Iterable[Any]) -> AsyncIterator[Any]:
     """A sync iterable driven inline (in a worker, blocking its loop is fine)."""
     for item in stream:

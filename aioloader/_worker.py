@@ -33,7 +33,7 @@ from ._collate import use_allocator
 from ._info import WorkerInfo, set_worker_info
 from ._pipeline import BatchOptions, PassBatcher, async_batches, collate_with
 from ._samplers import derive_seed
-from ._sources import Kind, as_async, ashard, fetch, is_async, open_pass, shard, shard_spec
+from ._sources import Kind, as_async, fetch, is_async, open_shard
 
 Plan = Literal["stream", "instances", "index"]
 INSTANCE_CHUNK = 64  # instances per message when instances themselves are sent
@@ -309,16 +309,11 @@ def _collate(spec: WorkerSpec, group: list[Any]) -> Callable[[], Any]:
 
 
 async def _instances(spec: WorkerSpec) -> AsyncIterator[Any]:
-    stream = open_pass(spec.source, spec.kind, spec.data_path)
-    index, count = shard_spec(spec.source, spec.kind, spec.worker_id, spec.num_workers,
-                              spec.rank, spec.world_size)
-    if is_async(stream):
-        agen = stream if count == 1 else ashard(stream, index, count)  # type: ignore[arg-type]
-        async for item in agen:  # type: ignore[union-attr]
-            yield item
-    else:
-        async for item in as_async(shard(stream, index, count)):  # type: ignore[arg-type]
-            yield item
+    stream = open_shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
+                        spec.num_workers, spec.rank, spec.world_size)
+    agen = stream if is_async(stream) else as_async(stream)  # type: ignore[arg-type]
+    async for item in agen:  # type: ignore[union-attr]
+        yield item
 
 
 async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:

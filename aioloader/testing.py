@@ -42,6 +42,7 @@ __all__ = [
     "LeakSnapshot",
     "SlowReader",
     "leak_check",
+    "warm_up",
 ]
 
 HowToDie = Literal["exit", "sigkill", "segv", "oom"]
@@ -60,9 +61,8 @@ def _in_target_worker(worker: int | None) -> bool:
 class FailingReader(Reader):
     """Yields ``{"index": i}`` for ``i < n`` and raises ``RuntimeError`` at ``fail_at``.
 
-    ``worker``: only that worker raises (``None``: whoever reads instance ``fail_at``).
-    The instances are sharded by the loader, so with ``worker=None`` exactly one worker
-    reaches ``fail_at``.
+    ``worker``: only that worker raises (``None``: every worker; the loader shards a
+    reader's output, so every worker runs ``read()`` over all instances).
     """
 
     def __init__(self, n: int, fail_at: int, worker: int | None = None) -> None:
@@ -117,12 +117,16 @@ class KillingReader(Reader):
     ``how``: ``"exit"`` (``os._exit(exit_code)``), ``"sigkill"``, ``"segv"`` (a real
     segmentation fault, reading address 0) or ``"oom"`` (caps the worker's address space
     ``memory_limit`` bytes above what it maps now with ``RLIMIT_AS``, then allocates past
-    the cap: the worker raises ``MemoryError``, as a worker under a memory limit does). Only worker ``worker`` dies; in the main process
-    (``num_workers=0``) it refuses to kill the caller and raises instead.
+    the cap: the worker raises ``MemoryError``, as a worker under a memory limit does).
+    Only worker ``worker`` dies; in the main process (``num_workers=0``) it refuses to kill
+    the caller and raises instead. ``stamp_file``: the worker writes ``time.time()`` there
+    just before it dies (to measure how long the loader takes to notice).
     """
 
     def __init__(self, n: int, die_at: int, how: HowToDie = "exit", worker: int | None = 0,
-                 exit_code: int = 3, memory_limit: int = 256 << 20) -> None:
+                 exit_code: int = 3, memory_limit: int = 256 << 20,
+                 stamp_file: str | None = None) -> None:
+        self.stamp_file = stamp_file
         self.n = n
         self.die_at = die_at
         self.how = how
@@ -135,6 +139,9 @@ class KillingReader(Reader):
             if i == self.die_at and _in_target_worker(self.worker):
                 if get_worker_info() is None:
                     raise RuntimeError("KillingReader only kills worker processes")
+                if self.stamp_file is not None:
+                    with open(self.stamp_file, "w") as f:
+                        f.write(repr(time.time()))
                 die(self.how, self.exit_code, self.memory_limit)
             yield {"index": i}
 
@@ -309,6 +316,20 @@ def check_leaks(baseline: LeakSnapshot, deadline: float = 10.0,
         raise LeakError(f"leaked after {deadline:.0f}s: " + "; ".join(problems))
 
 
+def warm_up() -> None:
+    """Create the process-wide resources that live until exit, before a baseline is taken.
+
+    libuv opens one signal pipe per process the first time a uvloop loop runs; it is not a
+    leak of any loader, but it would look like one to the first check.
+    """
+    import asyncio
+
+    from ._loops import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(asyncio.sleep(0))
+
+
 @contextlib.contextmanager
 def leak_check(deadline: float = 10.0, include_helpers: bool = False) -> Iterator[LeakSnapshot]:
     """Fail if child processes, fds or /dev/shm entries started inside outlive the block.
@@ -316,7 +337,7 @@ def leak_check(deadline: float = 10.0, include_helpers: bool = False) -> Iterato
     multiprocessing's resource tracker and forkserver persist by design and are ignored
     unless ``include_helpers``. Whatever is left after ``deadline`` seconds is reported
     with :class:`LeakError`; leftover processes are then killed so the next test starts
-    clean.
+    clean. Call :func:`warm_up` once before the first check.
 
     Example:
         >>> from aioloader.testing import leak_check

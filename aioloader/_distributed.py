@@ -1,0 +1,74 @@
+"""torch.distributed: this process's rank, and the loader's own agreement between ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process stands: rank ``rank`` of ``world_size``."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # the loader's own gloo group, for even_batches
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def topology(even_batches: bool) -> Topology:
+    """The current process group's view; a private group when ranks must agree.
+
+    The loader's collectives run on a group of their own, so that they can never interleave
+    with the training loop's (DDP's gradient all-reduce) in a different order on two ranks.
+    Creating it is itself collective: every rank must construct its loaders in the same order.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return Topology()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo") if (even_batches and world > 1) else None
+    return Topology(rank, world, group)
+
+
+def all_reduce(topo: Topology, value: int, op: str) -> int:
+    """``value`` reduced over the ranks with ``op`` ("min" or "max"); blocking."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX,
+                    group=topo.group)
+    return int(t.item())
+
+
+def shard_indices(n: int, rank: int, world: int, *, even: bool, drop_last: bool,
+                  order: list[int]) -> list[int]:
+    """This rank's share of ``order`` (a permutation of range(n)), like DistributedSampler.
+
+    ``even``: every rank gets the same number, by wrapping around (a few samples twice)
+    or, with ``drop_last``, by leaving the remainder out.
+    """
+    if even and n % world:
+        if drop_last:
+            order = order[: n - n % world]
+        else:
+            pad = world - n % world
+            order = order + (order * (pad // max(1, n) + 1))[:pad]
+    return order[rank::world]
+
+
+def even_out(batches: list[list[int]], target: int) -> list[list[int]]:
+    """``batches`` repeated from the start until there are ``target`` of them."""
+    if not batches or len(batches) >= target:
+        return batches
+    out = list(batches)
+    k = 0
+    while len(out) < target:
+        out.append(batches[k % len(batches)])
+        k += 1
+    return out

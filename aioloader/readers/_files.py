@@ -1,0 +1,160 @@
+"""Data files for readers: paths and globs to a sorted file list; bytes read off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import aiofiles
+from aiofiles.threadpool.binary import AsyncFileIO
+
+CHUNK_SIZE = 1 << 20
+GZIP_MAGIC = b"\x1f\x8b"
+_GLOB_CHARS = frozenset("*?[")
+
+PathSpec = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
+
+
+def expand_paths(data_path: Any) -> list[str]:
+    """The files that ``data_path`` names, sorted and without duplicates.
+
+    ``data_path`` is a path, a glob pattern (``**`` matches any depth) or a list of those.
+    A pattern that matches no file, or a path that does not exist, is a FileNotFoundError.
+
+    Example:
+        >>> expand_paths([])
+        Traceback (most recent call last):
+        ...
+        ValueError: data_path is an empty list: name at least one file or glob pattern
+    """
+    if isinstance(data_path, (str, os.PathLike)):
+        entries: list[Any] = [data_path]
+    elif isinstance(data_path, Iterable) and not isinstance(data_path, (bytes, bytearray)):
+        entries = list(data_path)
+    else:
+        raise TypeError(f"data_path must be a path, a glob pattern or a list of them, "
+                        f"got {type(data_path).__name__}")
+    if not entries:
+        raise ValueError("data_path is an empty list: name at least one file or glob pattern")
+    files: set[str] = set()
+    for entry in entries:
+        files.update(_expand_one(entry))
+    return sorted(files)
+
+
+def _expand_one(entry: Any) -> list[str]:
+    path = os.fspath(entry)
+    if not isinstance(path, str):
+        raise TypeError(f"paths must be str or os.PathLike[str], got {entry!r}")
+    path = os.path.expanduser(path)
+    if _GLOB_CHARS.isdisjoint(path):
+        if os.path.isdir(path):
+            raise IsADirectoryError(
+                errno.EISDIR, "a directory, not a data file: pass a glob such as "
+                f"{os.path.join(path, '*.jsonl')!r}", path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "no such data file", path)
+        return [os.path.normpath(path)]
+    import glob
+
+    matches = [os.path.normpath(m) for m in glob.glob(path, recursive=True)
+               if os.path.isfile(m)]
+    if not matches:
+        raise FileNotFoundError(errno.ENOENT, "no file matches the glob pattern", path)
+    return matches
+
+
+class TruncatedGzipError(EOFError):
+    """A gzip stream that ends before its end-of-stream marker."""
+
+
+class ByteSource:
+    """The bytes of one file in chunks, gunzipped when it is gzip (by suffix or magic bytes).
+
+    Reads run in aiofiles' thread pool, so the event loop is never blocked on disk; gzip is
+    inflated chunk by chunk (``max_length``), so memory stays bounded whatever the file or
+    compression ratio. Plain coroutines and no async generators: a pass of a reader may be
+    resumed on another event loop (the sync adapter runs one loop per epoch), and an async
+    generator of ours would be finalised when the first loop shuts down.
+    """
+
+    def __init__(self, path: str, fd: int, chunk_size: int) -> None:
+        self.path = path
+        self.chunk_size = chunk_size
+        self.gzip: bool | None = None  # decided on the first chunk
+        self._fd = fd
+        self._file: AsyncFileIO | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflate: Any = None  # the zlib decompressor of the current gzip member
+        self._pending = b""  # compressed input not yet given to the decompressor
+        self._draining = False  # the decompressor may hold output for the next call
+
+    @classmethod
+    async def open(cls, path: str, chunk_size: int = CHUNK_SIZE) -> ByteSource:
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
+        return cls(path, fd, chunk_size)
+
+    def close(self) -> None:
+        """Synchronous, so that it also runs in a generator finalised off its loop."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    async def read(self) -> bytes:
+        """The next chunk of (uncompressed) bytes; ``b""`` at the end of the file.
+
+        Raises ``zlib.error`` for corrupt gzip data and :class:`TruncatedGzipError` for a
+        gzip file that ends early.
+        """
+        if self.gzip is None:
+            first = await self._read_raw()
+            self.gzip = self.path.endswith(".gz") or first.startswith(GZIP_MAGIC)
+            if not self.gzip:
+                return first
+            self._pending = first
+            if not first:
+                return b""
+        if not self.gzip:
+            return await self._read_raw()
+        return await self._read_gzip()
+
+    async def _read_raw(self) -> bytes:
+        # aiofiles binds a file to the loop that opened it; the pass may move to another
+        # loop (see the class docstring), so the same descriptor is re-wrapped for each.
+        loop = asyncio.get_running_loop()
+        if self._file is None or self._loop is not loop:
+            self._file = await aiofiles.open(self._fd, "rb", buffering=0, closefd=False,
+                                             loop=loop)
+            self._loop = loop
+        data = await self._file.read(self.chunk_size)
+        return data or b""
+
+    async def _read_gzip(self) -> bytes:
+        while True:
+            if not self._pending and not self._draining:
+                self._pending = await self._read_raw()
+                if not self._pending:
+                    if self._inflate is not None:
+                        raise TruncatedGzipError(
+                            "the compressed file ended before the end-of-stream marker")
+                    return b""
+            if self._inflate is None:
+                # A new member: gzip files may hold several, and zero padding after the last.
+                self._pending = self._pending.lstrip(b"\0")
+                if not self._pending:
+                    continue
+                self._inflate = zlib.decompressobj(wbits=31)
+            out: bytes = self._inflate.decompress(self._pending, self.chunk_size)
+            if self._inflate.eof:
+                self._pending = self._inflate.unused_data
+                self._inflate = None
+                self._draining = False
+            else:
+                self._pending = self._inflate.unconsumed_tail
+                self._draining = len(out) >= self.chunk_size
+            if out:
+                return out

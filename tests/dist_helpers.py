@@ -1,0 +1,71 @@
+"""Module-level sources and the rank entry point for test_distributed (spawn pickles them)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, IterableDataset
+
+import aioloader
+
+
+class Numbers(aioloader.Reader):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def read(self, data_path: object):  # type: ignore[no-untyped-def]
+        for i in range(self.n):
+            yield {"index": i}
+
+
+class NumbersDataset(Dataset[dict[str, int]]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"index": i}
+
+
+class TorchSharded(IterableDataset[dict[str, int]]):
+    """Shards itself across workers the torch way; ranks are the loader's business."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter({"index": i} for i in range(wid, self.n, nw))
+
+
+def rank_main(rank: int, world: int, port: int, out_dir: str, n: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        cases = {
+            "reader_cached": (Numbers(n), {}),
+            "reader_lazy": (Numbers(n), {"max_instances_in_memory": 8}),
+            "map_style": (NumbersDataset(n), {}),
+            "map_style_shuffled": (NumbersDataset(n), {"shuffle": True, "seed": 3}),
+            "iterable": (TorchSharded(n), {"max_instances_in_memory": 8}),
+        }
+        for name, (source, extra) in cases.items():
+            loader = aioloader.DataLoader(source, batch_size=3, num_workers=2, quiet=True,
+                                          **extra)
+            try:
+                batches = list(loader)
+            finally:
+                loader.close()
+            results[name] = {"indices": [i for b in batches for i in b["index"].tolist()],
+                             "batches": len(batches)}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
