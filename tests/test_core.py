@@ -95,6 +95,7 @@ def _shm() -> set[str]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_no_segment_or_fd_per_batch_through_2000_batches():
+    list(aioloader.DataLoader([0], batch_size=1, quiet=True))  # uvloop's one-off signal pipe
     fds_before, shm_before = _fds(), _shm()
     loader = aioloader.DataLoader(S.Payload(4000, 4096), batch_size=2, num_workers=2,
                                   quiet=True)
