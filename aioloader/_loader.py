@@ -317,6 +317,9 @@ class DataLoader:
                         continue
                     produced += 1
                     bar.update(1)
+                    # Batches that were already waiting would otherwise come back to back
+                    # without the loop running anything else in between.
+                    await asyncio.sleep(0)
                     batch = step.value if device is None else move_to(step.value, device)
                     yield batch
                     if self._epoch is not token:

@@ -302,7 +302,7 @@ class WorkerStream:
             if isinstance(msg, wire.Batch):
                 self._rr = w + 1
                 self._produced += 1
-                return Delivered(self.sup.take(w, msg))
+                return Delivered(await self.sup.take(w, msg))
             if isinstance(msg, wire.PassEnd):
                 self.sup.send(w, wire.Release(msg.slot))
                 self._pending.discard(w)
@@ -371,7 +371,7 @@ class WorkerIndex:
         if not isinstance(msg, wire.Batch) or msg.seq != head.seq:
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
                                  f"got {msg!r}")
-        return Delivered(self.sup.take(head.worker, msg))
+        return Delivered(await self.sup.take(head.worker, msg))
 
     def behind(self) -> str:
         head = self._queue[0] if self._queue else None
@@ -408,7 +408,7 @@ async def worker_instances(sup: Supervisor) -> AsyncIterator[Any]:
         if not bufs[w]:
             msg = await sup.receive(w)
             if isinstance(msg, wire.Batch):
-                bufs[w].extend(sup.take(w, msg))
+                bufs[w].extend(await sup.take(w, msg))
             elif isinstance(msg, wire.PassEnd):
                 sup.send(w, wire.Release(msg.slot))
                 live.remove(w)

@@ -48,6 +48,7 @@ def _close_parent_fds_in_child() -> None:
 
 os.register_at_fork(after_in_child=_close_parent_fds_in_child)
 
+COPY_IN_THREAD_BYTES = 1 << 20
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
 
@@ -210,10 +211,16 @@ class Supervisor:
             self._waiter = self._loop.create_future()
             await self._waiter
 
-    def take(self, worker_id: int, msg: wire.Batch) -> Any:
-        """Copy a batch out of its slot and give the slot back."""
+    async def take(self, worker_id: int, msg: wire.Batch) -> Any:
+        """Copy a batch out of its slot and give the slot back.
+
+        A large batch is copied in a thread (``copy_`` releases the GIL), so that the loop
+        keeps running meanwhile: at memcpy speed a 10 MB batch is milliseconds of work.
+        """
         w = self.workers[worker_id]
         try:
+            if msg.nbytes >= COPY_IN_THREAD_BYTES:
+                return await asyncio.to_thread(decode, msg.tree, w.arena)
             return decode(msg.tree, w.arena)
         finally:
             self.send(worker_id, wire.Release(msg.slot))

@@ -48,11 +48,16 @@ class Task:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """A batch lies in arena slot ``slot``; ``tree`` is its encoded structure (see _codec)."""
+    """A batch lies in arena slot ``slot``; ``tree`` is its encoded structure (see _codec).
+
+    ``nbytes``: how much tensor data the slot holds, so the parent knows what copying it
+    out costs before it starts.
+    """
 
     TAG: ClassVar[Tag] = Tag.BATCH
     slot: int
     seq: int
+    nbytes: int
     tree: Any
 
 

@@ -209,8 +209,10 @@ class _Channel:
             tree = encode(payload, writer)
         except SlotFull as full:
             await self._grow(full.needed, slot)
-            tree = encode(payload, self._writer(slot))
-        await self.send(wire.Batch(slot, seq, _packable(tree)))
+            writer = self._writer(slot)
+            tree = encode(payload, writer)
+        nbytes = writer.pos - writer.start
+        await self.send(wire.Batch(slot, seq, nbytes, _packable(tree)))
         return True
 
     def _writer(self, slot: int) -> SlotWriter:

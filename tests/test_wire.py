@@ -79,7 +79,7 @@ def test_batch_trees_survive_the_arena(tree):
         os.close(fd)
     try:
         encoded = encode(tree, SlotWriter(arena, 1))
-        got = decode(wire.decode(wire.encode(wire.Batch(1, 0, encoded))[4:]).tree, receiver)
+        got = decode(wire.decode(wire.encode(wire.Batch(1, 0, 0, encoded))[4:]).tree, receiver)
         assert _same(got, tree)
     finally:
         arena.close()

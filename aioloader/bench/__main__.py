@@ -1,0 +1,7 @@
+"""``python -m aioloader.bench``: the same as ``aioloader bench``."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

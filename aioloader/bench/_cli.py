@@ -1,0 +1,156 @@
+"""The ``aioloader bench`` command: options, the runs, the printed report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ._measure import Result, Spec
+from ._report import Row, machine_lines, summarise, table, target_lines, targets
+from ._runner import MeasurementError, Plan, default_batches, isolated, run_workload
+from ._workloads import ALL
+
+DEFAULT_WORKLOADS = ALL
+
+
+def _workloads(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ALL]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {', '.join(map(repr, unknown)) or repr(text)}; "
+            f"choose from {', '.join(ALL)}")
+    return names
+
+
+def _at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``aioloader bench``."""
+    parser.add_argument("--workloads", type=_workloads, default=DEFAULT_WORKLOADS,
+                        help=f"comma-separated, from {','.join(ALL)} (default: all)")
+    parser.add_argument("--num-workers", type=_at_least(0), default=2,
+                        help="worker processes on both sides (default 2; 0 = in-process)")
+    parser.add_argument("--start-method", choices=("fork", "spawn", "forkserver"),
+                        default="fork", help="how both sides start workers (default fork)")
+    parser.add_argument("--pairs", type=_at_least(1), default=None,
+                        help="alternating aioloader/torch runs per workload (default 3)")
+    parser.add_argument("--batches", type=_at_least(3), default=None,
+                        help="batches per epoch for every workload (default: per workload)")
+    parser.add_argument("--face", choices=("async", "sync"), default="async",
+                        help="consume aioloader with `async for` (default) or `for`")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="event loop for the async runs (default asyncio)")
+    parser.add_argument("--timeout", type=_at_least(1), default=300,
+                        help="seconds one measurement may take before it is killed")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny numbers: checks that everything runs, measures nothing")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Measure, print the report, and write the JSON; 1 when a measurement failed."""
+    if args.loop == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            parser.error("--loop uvloop: uvloop is not installed")
+    batches = default_batches(args.quick)
+    if args.batches is not None:
+        batches = dict.fromkeys(batches, args.batches)
+    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 3)
+    plan = Plan(num_workers=args.num_workers, start_method=args.start_method, pairs=pairs,
+                batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout))
+    started = time.monotonic()
+    header = (f"aioloader bench: num_workers={plan.num_workers}, "
+              f"start_method={plan.start_method}, face={plan.face}, loop={plan.loop}, "
+              f"pairs={plan.pairs}, batches/epoch: "
+              + ", ".join(f"{w}={batches[w]}" for w in args.workloads))
+    try:
+        machine = isolated(Spec(kind="refs", loop=plan.loop), plan.timeout)
+    except MeasurementError as exc:
+        print(f"aioloader bench: {exc}", file=sys.stderr)
+        return 1
+    print(machine_lines(machine, header), flush=True)
+
+    failed = False
+    rows: list[Row] = []
+    raw: dict[str, Any] = {}
+    for workload in args.workloads:
+        t0 = time.monotonic()
+        try:
+            runs = run_workload(plan, workload)
+        except MeasurementError as exc:
+            print(f"aioloader bench: {workload}: {exc}", file=sys.stderr)
+            raw[workload] = {"error": str(exc)}
+            failed = True
+            continue
+        summary = summarise(workload, runs)
+        rows.extend(summary)
+        raw[workload] = {"runs": runs, "summary": [r.as_json() for r in summary]}
+        _warn_leftovers(workload, runs)
+        print(f"  ({workload}: {time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+    print()
+    print(table(rows))
+    found = targets(rows, machine, plan.start_method)
+    print()
+    print("targets (issue 5; medians over pairs):")
+    print(target_lines(found))
+    elapsed = time.monotonic() - started
+    print(f"\n{len(rows)} rows in {elapsed:.1f} s")
+    if args.json is not None:
+        document = {
+            "config": {"num_workers": plan.num_workers, "start_method": plan.start_method,
+                       "pairs": plan.pairs, "batches": plan.batches, "face": plan.face,
+                       "loop": plan.loop, "workloads": list(args.workloads)},
+            "machine": machine,
+            "workloads": raw,
+            "targets": [t.__dict__ for t in found],
+            "elapsed_s": elapsed,
+        }
+        with open(args.json, "w") as f:
+            json.dump(document, f, indent=1, allow_nan=False, default=_nan_to_none)
+            f.write("\n")
+    return 1 if failed else 0
+
+
+def _nan_to_none(value: object) -> object:
+    raise TypeError(f"not JSON-serialisable: {value!r}")
+
+
+def _warn_leftovers(workload: str, runs: dict[str, list[Result]]) -> None:
+    for side, results in runs.items():
+        for r in results:
+            if r.get("leftover_pids"):
+                print(f"aioloader bench: warning: {workload}/{side} left processes "
+                      f"{r['leftover_pids']} behind after closing its loader; killed them",
+                      file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m aioloader.bench [options]``, the same as ``aioloader bench``."""
+    parser = argparse.ArgumentParser(prog="aioloader bench", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv), parser)
+
+
+DESCRIPTION = (
+    "Run aioloader and torch.utils.data.DataLoader on the same workloads (same num_workers, "
+    "same start method, alternating runs, each in a fresh process) and print a side-by-side "
+    "table and issue 5's targets.")

@@ -1,0 +1,375 @@
+"""One measurement in the current process: throughput, loop lag, or the machine's references."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.utils.data
+
+import aioloader
+
+from ._workloads import WORKLOADS, Workload, lag_workload
+
+T = TypeVar("T")
+Result = dict[str, Any]
+Kind = Literal["throughput", "lag", "refs"]
+Face = Literal["async", "sync"]
+LoopName = Literal["asyncio", "uvloop"]
+TICK = 0.001  # the loop-lag ticker's period, seconds
+EPOCHS = 2  # throughput runs span an epoch boundary
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one isolated run measures.
+
+    ``side`` is "aioloader" or "torch"; for the loop-lag runs also "torch-direct" (torch's
+    iterator driven inside the loop) or "torch-executor" (``loop.run_in_executor(None, next,
+    it)``).
+    """
+
+    kind: Kind
+    side: str = "aioloader"
+    workload: str = "tiny"
+    num_workers: int = 2
+    start_method: str = "fork"
+    batches: int = 10  # per epoch
+    face: Face = "async"
+    loop: LoopName = "asyncio"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Spec:
+        return cls(**json.loads(text))
+
+
+def measure(spec: Spec) -> Result:
+    """Run ``spec`` here and return its figures (plain JSON-able numbers)."""
+    if spec.kind == "refs":
+        return references(spec.loop)
+    if spec.kind == "lag":
+        return run_on(spec.loop, _loop_lag(spec))
+    return _throughput(spec)
+
+
+# ---------------------------------------------------------------------------- throughput
+
+@dataclass
+class _Clock:
+    """When each batch arrived, the main process's CPU time then, and the bytes it held."""
+
+    start: float = field(default_factory=time.perf_counter)
+    stamps: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    epoch_ends: list[int] = field(default_factory=list)
+    nbytes: int = 0
+
+    def arrived(self, batch: Any) -> None:
+        self.stamps.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        self.nbytes += _nbytes(batch)
+
+    def epoch_end(self) -> None:
+        self.epoch_ends.append(len(self.stamps))
+
+    def figures(self) -> Result:
+        n = len(self.stamps)
+        if n < 2:
+            raise RuntimeError(f"only {n} batch(es) arrived; need at least 2 to time a run")
+        window = self.stamps[-1] - self.stamps[0]
+        rate = (n - 1) / window
+        gaps = sorted(b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False))
+        out: Result = {
+            "batches": n,
+            "batches_per_s": rate,
+            "mb_per_s": self.nbytes / n * rate / 1e6,
+            "ttfb_ms": (self.stamps[0] - self.start) * 1e3,
+            "cpu_ms_per_batch": (self.cpu[-1] - self.cpu[0]) / (n - 1) * 1e3,
+            "gap_p50_ms": percentile(gaps, 50) * 1e3,
+        }
+        if len(self.epoch_ends) > 1 and 0 < self.epoch_ends[0] < n:
+            last = self.epoch_ends[0]
+            out["stall_ms"] = (self.stamps[last] - self.stamps[last - 1]) * 1e3
+        return out
+
+
+def _throughput(spec: Spec) -> Result:
+    workload = WORKLOADS[spec.workload]
+    dataset = workload.dataset(spec.batches * workload.batch_size)
+    gc.collect()
+    rss = _PeakRss()
+    if spec.side == "torch":
+        clock = _torch_epochs(spec, workload, dataset)
+    elif spec.face == "sync":
+        clock = _aio_sync_epochs(spec, workload, dataset)
+    else:
+        clock = run_on(spec.loop, _aio_async_epochs(spec, workload, dataset))
+    return {**clock.figures(), "peak_rss_mb": rss.growth_mb()}
+
+
+def _torch_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
+    clock = _Clock()
+    loader = torch_loader(spec, workload, dataset)
+    for _ in range(EPOCHS):
+        for batch in loader:
+            clock.arrived(batch)
+        clock.epoch_end()
+    del loader  # its persistent workers stop with their iterator
+    gc.collect()
+    return clock
+
+
+def _aio_sync_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
+    clock = _Clock()
+    with aio_loader(spec, workload, dataset) as loader:
+        for _ in range(EPOCHS):
+            for batch in loader:
+                clock.arrived(batch)
+            clock.epoch_end()
+    return clock
+
+
+async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
+    clock = _Clock()
+    async with aio_loader(spec, workload, dataset) as loader:
+        for _ in range(EPOCHS):
+            async for batch in loader:
+                clock.arrived(batch)
+            clock.epoch_end()
+    return clock
+
+
+def aio_loader(spec: Spec, workload: Workload, dataset: Any) -> aioloader.DataLoader:
+    return aioloader.DataLoader(
+        dataset, batch_size=workload.batch_size, num_workers=spec.num_workers,
+        start_method=spec.start_method, collate_fn=workload.aio_collate, quiet=True, seed=0)
+
+
+def torch_loader(spec: Spec, workload: Workload, dataset: Any) -> torch.utils.data.DataLoader[Any]:
+    workers = spec.num_workers
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=workload.batch_size, num_workers=workers,
+        collate_fn=workload.torch_collate, persistent_workers=workers > 0,
+        multiprocessing_context=spec.start_method if workers > 0 else None)
+
+
+# ------------------------------------------------------------------------------ loop lag
+
+async def _loop_lag(spec: Spec) -> Result:
+    """How late a 1 ms ticker in the consuming loop wakes while image batches stream."""
+    workload = lag_workload()
+    dataset = workload.dataset(spec.batches * workload.batch_size)
+    ticks: list[tuple[float, float]] = []  # (wake time, lateness)
+    ticker = asyncio.create_task(_tick(ticks))
+    await asyncio.sleep(0.01)
+    clock = _Clock()
+    try:
+        if spec.side == "aioloader":
+            async with aio_loader(spec, workload, dataset) as loader:
+                async for batch in loader:
+                    clock.arrived(batch)
+        elif spec.side == "torch-direct":
+            torch_direct = torch_loader(spec, workload, dataset)
+            for batch in torch_direct:
+                clock.arrived(batch)
+                await asyncio.sleep(0)  # what people do: let other tasks run between batches
+            del torch_direct
+        elif spec.side == "torch-executor":
+            loop = asyncio.get_running_loop()
+            torch_exec = torch_loader(spec, workload, dataset)
+            it = iter(torch_exec)
+            while (batch := await loop.run_in_executor(None, next, it, None)) is not None:
+                clock.arrived(batch)
+            del it, torch_exec
+        else:
+            raise ValueError(f"unknown loop-lag side {spec.side!r}")
+    finally:
+        ticker.cancel()
+    clock.epoch_end()
+    gc.collect()
+    first, last = clock.stamps[0], clock.stamps[-1]
+    lags = sorted(lag for at, lag in ticks if first <= at <= last)
+    if not lags:  # the loop never ran the ticker while batches arrived: one long block
+        lags = [last - first]
+    figures = clock.figures()
+    return {
+        "batches": figures["batches"],
+        "batches_per_s": figures["batches_per_s"],
+        "mb_per_s": figures["mb_per_s"],
+        "ticks": len(lags),
+        **lag_figures(lags),
+    }
+
+
+async def _tick(out: list[tuple[float, float]]) -> None:
+    while True:
+        before = time.perf_counter()
+        await asyncio.sleep(TICK)
+        now = time.perf_counter()
+        out.append((now, max(0.0, now - before - TICK)))
+
+
+def lag_figures(lags: list[float]) -> Result:
+    """p50/p99/max of sorted lateness values, in ms."""
+    return {"lag_p50_ms": percentile(lags, 50) * 1e3, "lag_p99_ms": percentile(lags, 99) * 1e3,
+            "lag_max_ms": lags[-1] * 1e3}
+
+
+# ---------------------------------------------------------------------------- references
+
+def references(loop: LoopName) -> Result:
+    """The machine's yardsticks: memcpy bandwidth, a pipe round trip, an idle ticker."""
+    pipe_us = pipe_round_trip_us()
+    idle = run_on(loop, _idle_ticks(300))
+    return {
+        "cpu_count": os.cpu_count() or 0,
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "aioloader": aioloader.__version__,
+        "memcpy_gbps": memcpy_gbps(),
+        "pipe_rtt_us": pipe_us,
+        "idle_lag_p50_ms": percentile(idle, 50) * 1e3,
+        "idle_lag_p99_ms": percentile(idle, 99) * 1e3,
+    }
+
+
+def memcpy_gbps(size: int = 64 << 20, repeats: int = 8) -> float:
+    """Single-thread copy bandwidth: torch ``copy_`` into a preallocated tensor, best of N."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(size, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return size / best / 1e9
+
+
+def pipe_round_trip_us(rounds: int = 2000, repeats: int = 3) -> float:
+    """One byte there and back between two processes over ``os.pipe``, best of N, in µs."""
+    there_r, there_w = os.pipe()
+    back_r, back_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the echo: reads until EOF
+        try:
+            os.close(there_w)
+            os.close(back_r)
+            while os.read(there_r, 1):
+                os.write(back_w, b"x")
+        finally:
+            os._exit(0)
+    os.close(there_r)
+    os.close(back_w)
+    best = math.inf
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(rounds):
+                os.write(there_w, b"x")
+                os.read(back_r, 1)
+            best = min(best, (time.perf_counter() - start) / rounds)
+    finally:
+        os.close(there_w)
+        os.waitpid(pid, 0)
+        os.close(back_r)
+    return best * 1e6
+
+
+async def _idle_ticks(count: int) -> list[float]:
+    ticks: list[tuple[float, float]] = []
+    ticker = asyncio.create_task(_tick(ticks))
+    while len(ticks) < count:
+        await asyncio.sleep(0.05)
+    ticker.cancel()
+    return sorted(lag for _, lag in ticks)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def run_on(loop: LoopName, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on a fresh loop of the kind asked for."""
+    if loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
+
+
+def percentile(ordered: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an already sorted, non-empty list."""
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def _nbytes(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.numel() * batch.element_size()
+    if isinstance(batch, dict):
+        return sum(_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(_nbytes(v) for v in batch)
+    return 0
+
+
+class _PeakRss:
+    """Growth of this process's peak resident set from now on, in MB.
+
+    Linux lets a process reset its high-water mark (``echo 5 > /proc/self/clear_refs``); where
+    that fails, ``ru_maxrss`` (monotonic since the process started) stands in.
+    """
+
+    def __init__(self) -> None:
+        self.reset = _reset_hwm()
+        self.base_kb = _status_kb("VmRSS") if self.reset else _maxrss_kb()
+
+    def growth_mb(self) -> float:
+        peak = _status_kb("VmHWM") if self.reset else _maxrss_kb()
+        return max(0, peak - self.base_kb) / 1024
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kb("VmHWM") > 0
+    except OSError:
+        return False
+
+
+def _status_kb(key: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _maxrss_kb() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB on Linux
+

@@ -1,0 +1,185 @@
+"""Summaries of the runs: medians, ratios over pairs, the table and issue 5's targets."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._measure import Result
+from ._runner import LAG_SIDES, ZERO
+from ._workloads import LAG
+
+THROUGHPUT_METRICS = (
+    ("batches_per_s", "batches/s"),
+    ("mb_per_s", "MB/s"),
+    ("ttfb_ms", "first batch ms"),
+    ("stall_ms", "epoch stall ms"),
+    ("cpu_ms_per_batch", "main CPU ms/batch"),
+    ("peak_rss_mb", "peak RSS +MB"),
+)
+LAG_METRICS = (
+    ("lag_p50_ms", "lag p50 ms"),
+    ("lag_p99_ms", "lag p99 ms"),
+    ("lag_max_ms", "lag max ms"),
+    ("batches_per_s", "batches/s"),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One metric of one workload: medians of both sides, and aioloader/torch over pairs."""
+
+    workload: str
+    metric: str
+    label: str
+    aioloader: float
+    torch: float
+    ratio: float
+    ratio_min: float
+    ratio_max: float
+    against: str  # the side in the torch column
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of issue 5's targets: what was asked, what was measured, whether it holds."""
+
+    name: str
+    measured: str
+    passed: bool
+
+
+def _values(runs: Sequence[Result], key: str) -> list[float]:
+    return [float(r[key]) if r.get(key) is not None else math.nan for r in runs]
+
+
+def median(values: Sequence[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
+
+
+def _row(workload: str, metric: str, label: str, ours: Sequence[Result],
+         theirs: Sequence[Result], against: str) -> Row:
+    a, b = _values(ours, metric), _values(theirs, metric)
+    ratios = [x / y if y > 0 else math.nan for x, y in zip(a, b, strict=False)]
+    kept = [r for r in ratios if not math.isnan(r)]
+    return Row(workload, metric, label, median(a), median(b), median(kept),
+               min(kept, default=math.nan), max(kept, default=math.nan), against)
+
+
+def summarise(workload: str, runs: dict[str, list[Result]]) -> list[Row]:
+    """The table rows of one workload."""
+    if workload == LAG:
+        ours = runs[LAG_SIDES[0]]
+        return [_row(workload, metric, f"{label} [{side.removeprefix('torch-')}]", ours,
+                     runs[side], side)
+                for side in LAG_SIDES[1:] for metric, label in LAG_METRICS]
+    rows = [_row(workload, metric, label, runs["aioloader"], runs["torch"], "torch")
+            for metric, label in THROUGHPUT_METRICS]
+    if ZERO in runs:
+        rows.insert(1, _row(workload, "batches_per_s", "batches/s @0 workers", runs[ZERO], [],
+                            ZERO))
+    return rows
+
+
+def _fmt(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:.0f}"
+    if abs(x) >= 100:
+        return f"{x:.1f}"
+    if abs(x) >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The side-by-side table, plain text."""
+    head = ("workload", "metric", "aioloader", "torch", "ratio (min-max)")
+    cells = [(r.workload, r.label, _fmt(r.aioloader), _fmt(r.torch),
+              "-" if math.isnan(r.ratio)
+              else f"{_fmt(r.ratio)} ({_fmt(r.ratio_min)}-{_fmt(r.ratio_max)})")
+             for r in rows]
+    widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
+    lines = []
+    for k, c in enumerate([head, *cells]):
+        if k > 1 and c[0] != cells[k - 2][0]:
+            lines.append("")
+        lines.append(f"{c[0]:<{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:>{widths[2]}}  "
+                     f"{c[3]:>{widths[3]}}  {c[4]}".rstrip())
+    return "\n".join(lines)
+
+
+def targets(rows: Sequence[Row], machine: Result, start_method: str) -> list[Target]:
+    """Issue 5's targets, for the workloads that ran."""
+    found = {(r.workload, r.label): r for r in rows}
+    out: list[Target] = []
+
+    def ratio_at_least(workload: str, label: str, goal: float) -> None:
+        row = found.get((workload, label))
+        if row is not None:
+            out.append(Target(f"{workload} {label} >= {goal:g}x torch",
+                              f"{_fmt(row.ratio)}x", row.ratio >= goal))
+
+    ratio_at_least("tiny", "batches/s", 3.0)
+    zero, tiny = found.get(("tiny", "batches/s @0 workers")), found.get(("tiny", "batches/s"))
+    if zero is not None and tiny is not None:
+        out.append(Target("tiny batches/s >= aioloader's own at num_workers=0",
+                          f"{_fmt(tiny.aioloader)} vs {_fmt(zero.aioloader)}",
+                          tiny.aioloader >= zero.aioloader))
+    ratio_at_least("image", "MB/s", 2.0)
+    image = found.get(("image", "MB/s"))
+    memcpy = float(machine.get("memcpy_gbps", math.nan)) * 1000
+    if image is not None:
+        out.append(Target("image MB/s >= 50% of memcpy",
+                          f"{image.aioloader / memcpy:.0%} of {_fmt(memcpy)} MB/s",
+                          image.aioloader >= 0.5 * memcpy))
+    ratio_at_least("text", "batches/s", 2.0)
+    ratio_at_least("cpu", "batches/s", 1.0)
+    first_goal = 1.0 if start_method == "fork" else 0.5
+    for (workload, label), row in found.items():
+        if label == "first batch ms":
+            out.append(Target(f"{workload} first batch <= {first_goal:g}x torch "
+                              f"({start_method})", f"{_fmt(row.ratio)}x",
+                              row.ratio <= first_goal))
+    for (workload, label), row in found.items():
+        if label == "epoch stall ms":
+            out.append(Target(f"{workload} epoch stall <= 10 ms", f"{_fmt(row.aioloader)} ms",
+                              row.aioloader <= 10.0))
+    lag = found.get((LAG, "lag p99 ms [direct]"))
+    if lag is not None:
+        out.append(Target("loop-lag p99 <= 1 ms", f"{_fmt(lag.aioloader)} ms",
+                          lag.aioloader <= 1.0))
+    for (workload, label), row in found.items():
+        if label == "main CPU ms/batch":
+            out.append(Target(f"{workload} main CPU/batch <= 0.3x torch", f"{_fmt(row.ratio)}x",
+                              row.ratio <= 0.3))
+    return out
+
+
+def target_lines(found: Sequence[Target]) -> str:
+    width = max((len(t.name) for t in found), default=0)
+    return "\n".join(f"{'PASS' if t.passed else 'MISS'}  {t.name:<{width}}  {t.measured}"
+                     for t in found)
+
+
+def machine_lines(machine: Result, header: str) -> str:
+    """What the machine offers, printed before the table."""
+    return "\n".join([
+        header,
+        f"machine: {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), "
+        f"torch {machine['torch']}, Python {machine['python']}, aioloader {machine['aioloader']}",
+        f"memcpy, 1 thread:  {machine['memcpy_gbps']:.2f} GB/s "
+        "(torch copy_ of 64 MB uint8 into a preallocated tensor, best of 8)",
+        f"pipe round trip:   {machine['pipe_rtt_us']:.1f} us (os.pipe ping-pong, 2 processes)",
+        f"idle 1 ms ticker:  lag p50 {machine['idle_lag_p50_ms']:.3f} ms, "
+        f"p99 {machine['idle_lag_p99_ms']:.3f} ms (nothing streaming)",
+    ])

@@ -1,0 +1,142 @@
+"""`aioloader bench`: runs end to end, reports every metric, rejects bad flags (no timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import aioloader
+from aioloader.__main__ import main as cli_main
+from aioloader.bench._measure import percentile
+from aioloader.bench._report import THROUGHPUT_METRICS
+from aioloader.bench._workloads import TextDataset, torch_pad_collate
+
+HARD_TIMEOUT = 300.0
+METRIC_LABELS = [label for _, label in THROUGHPUT_METRICS]
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            members.append(int(name))
+    return members
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m aioloader ARGS`` in a session of its own; nothing of it may outlive it."""
+    proc = subprocess.Popen([sys.executable, "-m", "aioloader", *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=HARD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        deadline = time.monotonic() + 10
+        while (left := _session_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes of the bench outlived it: {left}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def quick_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, object]]:
+    path = tmp_path_factory.mktemp("bench") / "results.json"
+    done = _run_cli("bench", "--quick", "--workloads", "tiny", "--json", str(path))
+    assert done.returncode == 0, done.stderr
+    return done.stdout, json.loads(path.read_text())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and reads /proc")
+def test_quick_tiny_prints_machine_table_and_targets(
+        quick_tiny: tuple[str, dict[str, object]]) -> None:
+    out, _ = quick_tiny
+    assert "memcpy" in out and "pipe round trip" in out and f"torch {torch.__version__}" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("workload"))
+    assert header.split()[:4] == ["workload", "metric", "aioloader", "torch"]
+    assert "ratio" in header
+    for label in METRIC_LABELS:
+        row = next((line for line in lines if line.startswith("tiny") and label in line), None)
+        assert row is not None, f"no row for {label!r}:\n{out}"
+        tail = row.split(label, 1)[1].split()
+        float(tail[0]), float(tail[1])  # a figure for aioloader and one for torch
+    assert any(line.startswith(("PASS", "MISS")) for line in lines)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and reads /proc")
+def test_quick_tiny_json_holds_runs_and_summary(
+        quick_tiny: tuple[str, dict[str, object]]) -> None:
+    _, doc = quick_tiny
+    assert set(doc) >= {"config", "machine", "workloads", "targets"}
+    machine = doc["machine"]
+    assert isinstance(machine, dict) and machine["memcpy_gbps"] > 0
+    tiny = doc["workloads"]["tiny"]  # type: ignore[index]
+    for side in ("aioloader", "torch", "aioloader@0"):
+        (run,) = tiny["runs"][side]
+        assert {"batches_per_s", "mb_per_s", "ttfb_ms", "stall_ms", "cpu_ms_per_batch",
+                "peak_rss_mb"} <= set(run)
+    metrics = {row["metric"] for row in tiny["summary"]}
+    assert {"batches_per_s", "ttfb_ms", "stall_ms", "cpu_ms_per_batch"} <= metrics
+    for row in tiny["summary"]:
+        assert {"aioloader", "torch", "ratio", "ratio_min", "ratio_max"} <= set(row)
+
+
+def test_unknown_workload_exits_2_with_a_clear_error() -> None:
+    done = _run_cli("bench", "--workloads", "tiny,nope")
+    assert done.returncode == 2
+    assert "error: argument --workloads: unknown workload 'nope'" in done.stderr
+    assert "loop-lag" in done.stderr  # the valid choices are listed
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "--pairs", "0"],
+    ["bench", "--batches", "many"],
+    ["bench", "--start-method", "vfork"],
+    ["bench", "--workloads", ","],
+    ["frobnicate"],
+    [],
+])
+def test_bad_flags_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(args)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_torch_pad_collate_matches_pad_collate() -> None:
+    samples = [TextDataset(8)[i] for i in range(8)]
+    ours, theirs = aioloader.PadCollate()(samples), torch_pad_collate(samples)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype
+        assert torch.equal(ours[key], theirs[key])
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([3.0], 99) == 3.0
