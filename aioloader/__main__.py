@@ -10,7 +10,7 @@ from collections.abc import Sequence
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line and run the subcommand; the exit status.
 
-    Example:
+    Examples:
         aioloader bench --workloads tiny,image --pairs 5 --json results.json
     """
     from .bench import DESCRIPTION, add_arguments, run

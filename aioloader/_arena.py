@@ -58,6 +58,7 @@ class ArenaMap:
             # Processes forked later (other loaders' workers) must not pin this memory.
             self._mm.madvise(mmap.MADV_DONTFORK)
         self.bytes: torch.Tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._storage = self.bytes.untyped_storage()
         self.base_ptr: int = self.bytes.data_ptr()
 
     def slot_range(self, slot: int) -> tuple[int, int]:
@@ -65,17 +66,16 @@ class ArenaMap:
         return start, start + self.slot_size
 
     def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """The tensor of ``dtype``/``shape`` stored contiguously at ``offset``."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * dtype.itemsize
-        return self.bytes[offset:offset + nbytes].view(dtype).view(shape)
+        """The tensor of ``dtype``/``shape`` stored contiguously at ``offset`` (aligned)."""
+        # set_ on the storage is about twice as fast as slicing and re-viewing the bytes.
+        out: torch.Tensor = torch.empty(0, dtype=dtype).set_(
+            self._storage, offset // dtype.itemsize, shape)  # type: ignore[call-overload]
+        return out
 
     def close(self) -> None:
         """Unmap; if a view is still alive somewhere, leave the unmapping to the GC."""
         mm, self._mm = self._mm, None
-        del self.bytes
+        del self.bytes, self._storage
         if mm is not None:
             with contextlib.suppress(BufferError):
                 mm.close()

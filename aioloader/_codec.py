@@ -102,10 +102,11 @@ def decode(tree: Any, arena: ArenaMap | None) -> Any:
     if tag == "T":
         _, off, dtype_name, shape, requires_grad = tree
         dtype = getattr(torch, dtype_name)
-        out = torch.empty(shape, dtype=dtype)
-        if out.numel():
+        if 0 in shape:
+            out = torch.empty(shape, dtype=dtype)
+        else:
             assert arena is not None, "a batch with tensors arrived before its arena"
-            out.copy_(arena.view(off, dtype, shape))
+            out = arena.view(off, dtype, shape).clone()
         if requires_grad:
             out.requires_grad_(True)
         return out

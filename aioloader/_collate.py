@@ -39,7 +39,7 @@ class Collate(Protocol):
 def use_allocator(alloc: Allocator | None) -> Iterator[None]:
     """Make `new_tensor` (and so every collated CPU tensor) come from `alloc` in this context.
 
-    Example:
+    Examples:
         with use_allocator(arena.allocate):
             batch = default_collate(samples)
     """
@@ -90,7 +90,7 @@ def _short(value: object) -> str:
 def default_collate(batch: Sequence[Any]) -> Any:
     """Collate like `torch.utils.data.default_collate`, allocating tensors with `new_tensor`.
 
-    Example:
+    Examples:
         default_collate([{"x": 1}, {"x": 2}])  # {'x': tensor([1, 2])}
     """
     if not batch:
@@ -105,7 +105,7 @@ class PadCollate:
     items; 1-D tensors and numpy arrays keep their dtype. Where nothing is ragged the result is
     exactly `default_collate`'s.
 
-    Example:
+    Examples:
         PadCollate(pad_value=0)([{"ids": [1]}, {"ids": [2, 3]}])
         # {'ids': tensor([[1, 0], [2, 3]])}
     """

@@ -10,7 +10,7 @@ from typing import Any
 class WorkerInfo:
     """What a worker knows about itself; ``aioloader.get_worker_info()`` returns it.
 
-    Example:
+    Examples:
         >>> info = WorkerInfo(num_workers=2, id=1, seed=7, rank=0, world_size=1)
         >>> info.id
         1

@@ -122,7 +122,7 @@ class _Planner:
 class DataLoader:
     """Batches from a reader or dataset, built in worker processes, consumed with ``async for``.
 
-    Example:
+    Examples:
         >>> import aioloader
         >>> class Squares(aioloader.Reader):
         ...     def read(self, data_path):

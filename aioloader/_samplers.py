@@ -44,7 +44,7 @@ def current_rng() -> random.Random:
 def use_rng(rng: random.Random) -> Iterator[None]:
     """Make `current_rng()` return `rng` in this context (and tasks started from it).
 
-    Example:
+    Examples:
         with use_rng(random.Random(derive_seed(seed, epoch))):
             batches = sampler.get_batch_indices(instances)
     """
@@ -58,7 +58,7 @@ def use_rng(rng: random.Random) -> Iterator[None]:
 def derive_seed(base: int, *parts: int) -> int:
     """A 64-bit seed mixed from `base` and `parts`: stable across runs, platforms and processes.
 
-    Example:
+    Examples:
         derive_seed(seed, epoch, rank, worker_id)  # an independent stream per worker
     """
     h = hashlib.blake2b(digest_size=8, person=b"aioloader.seed")
@@ -118,7 +118,7 @@ def buffered_shuffle(items: Iterable[T], buffer_size: int, rng: random.Random) -
 class BatchSampler:
     """Groups instances into batches of indices. Subclass it, or implement the same methods.
 
-    Example:
+    Examples:
         class Pairs(BatchSampler):
             def get_batch_indices(self, instances):
                 return [[i, i + 1] for i in range(0, len(instances) - 1, 2)]
@@ -148,7 +148,7 @@ class BucketBatchSampler(BatchSampler):
     equal lengths do not always land in the same batch. With `sorting_keys=None` the field with
     the longest value in the first instance is used.
 
-    Example:
+    Examples:
         BucketBatchSampler(32, sorting_keys=["tokens"], padding_noise=0.1)
     """
 
@@ -309,7 +309,7 @@ class Batcher:
     instances. Randomness comes from `current_rng()` at construction. After `finish()` it is
     ready for the next pass.
 
-    Example:
+    Examples:
         batcher = Batcher(batch_size=2, drop_last=False, shuffle=True, sampler=None,
                           chunk_size=100)
         for instance in stream:

@@ -24,7 +24,7 @@ class Reader:
     (using :func:`aioloader.get_worker_info`), and ``manual_distributed_sharding = True`` when
     it shards itself across ``torch.distributed`` ranks; otherwise the loader does it.
 
-    Example:
+    Examples:
         >>> class Numbers(Reader):
         ...     def read(self, data_path):
         ...         yield from ({"x": i} for i in range(3))

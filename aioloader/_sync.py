@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class SyncLoader:
     """``for batch in loader.sync(device)``: one epoch per ``for``, batches on ``device``.
 
-    Example:
+    Examples:
         >>> import aioloader
         >>> loader = aioloader.DataLoader([1, 2, 3], batch_size=2, quiet=True)
         >>> [b.tolist() for b in loader.sync()]

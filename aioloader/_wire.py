@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
@@ -101,7 +101,9 @@ _TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (Release, Task, Batch, P
 
 def encode(msg: Message) -> bytes:
     """One framed message."""
-    body: bytes = msgpack.packb([int(msg.TAG), *astuple(msg)], use_bin_type=True)
+    # Not dataclasses.astuple: it deep-copies, and this runs once per batch.
+    fields = [getattr(msg, name) for name in msg.__slots__]
+    body: bytes = msgpack.packb([int(msg.TAG), *fields], use_bin_type=True)
     return _LEN.pack(len(body)) + body
 
 

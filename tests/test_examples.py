@@ -1,0 +1,75 @@
+"""Every example runs end to end in smoke mode (AIOLOADER_SMOKE=1) and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT = 180
+
+# example -> lines its output must contain
+EXPECTED = {
+    "train_lm.py": ["train loss", "(decreased)", "waited for data", "eval loss"],
+    "sync_training.py": ["batches on", "loss"],
+    "custom_reader.py": ["all 20 records, each exactly once"],
+    "distributed.py": ["rank 0:", "rank 1:", "the union is the dataset"],
+}
+
+
+def run_example(name: str, tmp_path: pathlib.Path) -> str:
+    env = dict(os.environ, AIOLOADER_SMOKE="1", PYTHONUNBUFFERED="1")
+    args = [sys.executable, str(EXAMPLES / name)]
+    if name == "train_lm.py":
+        args += ["--checkpoint", str(tmp_path / "lm.pt")]
+    # A session of its own, so that the whole tree can be killed and checked for leftovers.
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{name} did not finish within {TIMEOUT} s:\n{out[-3000:]}")
+    finally:
+        leftovers = _group_alive(proc.pid)  # every descendant must be gone with the script
+        if leftovers:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{out[-3000:]}"
+    assert not leftovers, f"{name} left processes behind: {leftovers}"
+    return out
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """The live processes (zombies aside) of process group ``pgid``."""
+    alive = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it just exited
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state not in "ZX":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_example_runs(name: str, tmp_path: pathlib.Path) -> None:
+    out = run_example(name, tmp_path)
+    for line in EXPECTED[name]:
+        assert line in out, f"{name}: {line!r} missing from its output:\n{out[-3000:]}"
+    if name == "train_lm.py":
+        import torch
+
+        checkpoint = torch.load(tmp_path / "lm.pt")
+        assert checkpoint["step"] == 12 and "embed.weight" in checkpoint["model"]
+
+
+def test_every_example_is_tested() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
