@@ -271,7 +271,7 @@ async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
             await _run_stream(spec, chan)
     except _ParentGone:
         pass
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we exit
         if chan.eof:
             return
         await _report(chan, exc)
@@ -287,7 +287,7 @@ async def _report(chan: _Channel, exc: BaseException) -> None:
     try:
         pickled: bytes | None = pickle.dumps(exc)
         pickle.loads(pickled)  # type: ignore[arg-type]
-    except Exception:
+    except Exception:  # noqa: BLE001 - the traceback text still reaches the parent
         pickled = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     with contextlib.suppress(OSError):

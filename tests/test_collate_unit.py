@@ -70,7 +70,7 @@ def collatable_dtypes() -> list[torch.dtype]:
         if isinstance(dt, torch.dtype) and dt not in out:
             try:
                 torch_collate([dtype_tensor(dt, 0), dtype_tensor(dt, 1)])
-            except Exception:
+            except Exception:  # noqa: BLE001 - torch cannot batch this dtype: skip it
                 continue
             out.append(dt)
     return out

@@ -15,7 +15,7 @@ import torch
 import aioloader
 
 sys.path.insert(0, str(Path(__file__).parent))
-import core_sources as S  # noqa: E402
+import core_sources as S
 
 
 def indices(batches: list[dict]) -> list[int]:

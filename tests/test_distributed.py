@@ -11,7 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import dist_helpers  # noqa: E402
+import dist_helpers
 
 N = 40
 CASES = ["reader_cached", "reader_lazy", "map_style", "map_style_shuffled", "iterable"]

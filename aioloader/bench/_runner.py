@@ -89,12 +89,12 @@ def _child(spec: Spec, read_fd: int, write_fd: int) -> None:  # pragma: no cover
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
             payload: dict[str, Any] = {"result": measure(spec)}
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the parent reports it
             payload = {"error": traceback.format_exc()}
         data = json.dumps(payload).encode()
         while data:
             data = data[os.write(write_fd, data):]
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a measurement child must always exit
         code = 1
     finally:
         os._exit(code)  # no atexit handlers or buffers of the parent's run twice
