@@ -25,7 +25,7 @@ def expand_paths(data_path: Any) -> list[str]:
     ``data_path`` is a path, a glob pattern (``**`` matches any depth) or a list of those.
     A pattern that matches no file, or a path that does not exist, is a FileNotFoundError.
 
-    Example:
+    Examples:
         >>> expand_paths([])
         Traceback (most recent call last):
         ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import json
 import warnings
@@ -12,6 +13,9 @@ from typing import Any
 from .._info import get_worker_info
 from .._sources import Reader
 from ._files import CHUNK_SIZE, ByteSource, TruncatedGzipError, expand_paths
+
+_DECODE = json.JSONDecoder().decode  # what json.loads(str) calls, minus its checks
+LOOP_TURN = 256  # lines parsed between two turns given to the event loop
 
 
 class JsonLinesError(ValueError):
@@ -52,7 +56,7 @@ class JsonLinesReader(Reader):
             worker's copy of the reader counts).
         encoding: of the files; an ASCII-compatible one (JSON lines are UTF-8 by definition).
 
-    Example:
+    Examples:
         >>> import aioloader
         >>> from aioloader.readers import JsonLinesReader
         >>> loader = aioloader.DataLoader(JsonLinesReader(), "data/*.jsonl.gz",
@@ -90,8 +94,10 @@ class JsonLinesReader(Reader):
         """This process's share of the instances in the files ``data_path`` names."""
         files = expand_paths(data_path)
         shard, shards = _shard()
+        decode, encoding, transform = _DECODE, self.encoding, self.transform
         by_file = len(files) >= shards
         self.num_skipped = 0
+        parsed = 0
         lines_before = 0  # physical lines of the earlier files: the global line counter
         for i, path in enumerate(files):
             if by_file and i % shards != shard:
@@ -99,25 +105,26 @@ class JsonLinesReader(Reader):
             step = 1 if by_file else shards
             source = await ByteSource.open(path, self.chunk_size)
             try:
-                file_lines = 0  # complete lines of this file handled so far
+                file_lines = 0  # lines of this file handled so far
                 tail: list[bytes] = []  # the start of a line that continues in the next chunk
-                while True:
-                    try:
-                        chunk = await source.read()
-                    except (zlib.error, TruncatedGzipError) as exc:
-                        raise JsonLinesError(
-                            f"{path}: corrupt gzip data after line {file_lines} ({exc})",
-                            path, file_lines) from exc
-                    if not chunk:
-                        break
-                    if file_lines == 0 and not tail and chunk.startswith(codecs.BOM_UTF8):
-                        chunk = chunk[len(codecs.BOM_UTF8):]
-                    end = chunk.rfind(b"\n")
-                    if end < 0:
-                        tail.append(chunk)
-                        continue
-                    block = b"".join([*tail, chunk[:end]]) if tail else chunk[:end]
-                    tail = [chunk[end + 1:]] if end + 1 < len(chunk) else []
+                first_chunk, eof = True, False
+                while not eof:
+                    chunk = await _read_chunk(source, file_lines)
+                    if chunk:
+                        if first_chunk and chunk.startswith(codecs.BOM_UTF8):
+                            chunk = chunk[len(codecs.BOM_UTF8):]
+                        first_chunk = False
+                        end = chunk.rfind(b"\n")
+                        if end < 0:
+                            tail.append(chunk)
+                            continue
+                        block = b"".join([*tail, chunk[:end]]) if tail else chunk[:end]
+                        tail = [chunk[end + 1:]] if end + 1 < len(chunk) else []
+                    else:  # the end of the file: a last line without a newline
+                        eof = True
+                        if not tail:
+                            break
+                        block, tail = b"".join(tail), []
                     lines = block.split(b"\n")
                     first = 0 if by_file else (shard - lines_before - file_lines) % shards
                     for k in range(first, len(lines), step):
@@ -125,23 +132,15 @@ class JsonLinesReader(Reader):
                         if not line or line.isspace():
                             continue
                         try:
-                            value = json.loads(line.decode(self.encoding))
+                            value = decode(line.decode(encoding))
                         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
                             self._invalid(path, file_lines + k + 1, exc)
                             continue
-                        yield value if self.transform is None else self.transform(value)
+                        yield value if transform is None else transform(value)
+                        parsed += 1
+                        if parsed % LOOP_TURN == 0:  # parsing a chunk must not hog the loop
+                            await asyncio.sleep(0)
                     file_lines += len(lines)
-                if tail:
-                    last = b"".join(tail)
-                    if (by_file or (lines_before + file_lines) % shards == shard) and (
-                            last and not last.isspace()):
-                        try:
-                            value = json.loads(last.decode(self.encoding))
-                        except ValueError as exc:
-                            self._invalid(path, file_lines + 1, exc)
-                        else:
-                            yield value if self.transform is None else self.transform(value)
-                    file_lines += 1
             finally:
                 source.close()
             lines_before += file_lines
@@ -156,6 +155,15 @@ class JsonLinesReader(Reader):
             warnings.warn(f"{path}, line {line_number}: skipping invalid JSON ({exc}); "
                           "further invalid lines are skipped without a warning and counted "
                           "in JsonLinesReader.num_skipped", UserWarning, stacklevel=2)
+
+
+async def _read_chunk(source: ByteSource, lines_done: int) -> bytes:
+    """The next chunk of ``source``; corrupt gzip data as a :class:`JsonLinesError`."""
+    try:
+        return await source.read()
+    except (zlib.error, TruncatedGzipError) as exc:
+        raise JsonLinesError(f"{source.path}: corrupt gzip data after line {lines_done} "
+                             f"({exc})", source.path, lines_done) from exc
 
 
 def _shard() -> tuple[int, int]:

@@ -1,0 +1,5 @@
+"""Ready-made readers: ``DataLoader(JsonLinesReader(), "data/*.jsonl.gz", ...)``."""
+
+from ._jsonl import JsonLinesError, JsonLinesReader
+
+__all__ = ["JsonLinesError", "JsonLinesReader"]
