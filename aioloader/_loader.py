@@ -17,6 +17,7 @@ from ._device import DeviceLike, as_device, move_to
 from ._distributed import Topology, all_reduce, even_out, shard_indices, topology
 from ._errors import LoaderBusyError, LoaderTimeoutError
 from ._pipeline import BatchOptions
+from ._portal import Portal, run_blocking
 from ._samplers import BatchSampler, derive_seed, num_batches, plan_indices
 from ._sessions import (
     CachedInstances,
@@ -38,14 +39,19 @@ START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class _Box:
-    """Holds the live session, for the garbage collector's backstop (weakref.finalize)."""
+    """What the garbage collector's backstop (weakref.finalize) must stop: the live session
+    and the sync adapter's loops."""
 
     session: Session | None = None
+    portal: Portal | None = None
 
     def kill(self) -> None:
         session, self.session = self.session, None
         if session is not None:
             session.kill()
+        portal, self.portal = self.portal, None
+        if portal is not None:
+            portal.close()
 
 
 @dataclass(frozen=True)
@@ -236,9 +242,7 @@ class DataLoader:
                 "a lazy loader (max_instances_in_memory set) does not know its length: pass "
                 "batches_per_epoch, or leave max_instances_in_memory=None to cache the data")
         if self._cache is None:
-            from ._portal import run_blocking
-
-            run_blocking(self._ensure_cache)
+            run_blocking(self._portal(), self._ensure_cache)
         assert self._cache is not None
         return self._planner.num_batches(self._cache, shared=False)
 
@@ -266,13 +270,28 @@ class DataLoader:
         session, self._box.session = self._box.session, None
         if session is not None:
             await session.aclose()
+        portal, self._box.portal = self._box.portal, None
+        if portal is not None:
+            portal.close()
 
     def close(self) -> None:
-        """Blocking version of :meth:`aclose`."""
+        """Blocking version of :meth:`aclose`; also ends the sync adapter's event loops."""
         self._epoch = None
         session, self._box.session = self._box.session, None
+        portal, self._box.portal = self._box.portal, None
         if session is not None:
-            session.close()
+            if portal is not None and portal.usable_here():
+                portal.call(session.aclose())  # an async reader's pass closes on its loop
+            else:
+                session.close()
+        if portal is not None:
+            portal.close()
+
+    def _portal(self) -> Portal:
+        """The sync adapter's loops, kept for the loader's lifetime (see Portal)."""
+        if self._box.portal is None:
+            self._box.portal = Portal()
+        return self._box.portal
 
     async def __aenter__(self) -> DataLoader:
         return self

@@ -35,8 +35,12 @@ class PassBatcher:
             self._batcher = Batcher(batch_size=options.batch_size, drop_last=options.drop_last,
                                     shuffle=options.shuffle, sampler=options.sampler,
                                     chunk_size=options.chunk_size)
+        # Without a sampler the Batcher already holds its RNG: no context per instance.
+        self._needs_rng = options.sampler is not None
 
     def feed(self, instance: Any) -> list[list[Any]]:
+        if not self._needs_rng:
+            return self._batcher.feed(instance)
         with use_rng(self.rng):
             return self._batcher.feed(instance)
 

@@ -100,6 +100,7 @@ class _LocalPass:
     def __init__(self, stream: Any, batcher: PassBatcher, collate: Callable[[list[Any]], Any]):
         self.collate = collate
         self.produced = 0
+        self.started = False
         self.async_it: Any = None
         self.sync_it: Iterator[Any] | None = None
         if is_async(stream):
@@ -116,7 +117,11 @@ class _LocalPass:
             return await _Thread.run(_next_or_end, self.sync_it)
         while not self.groups and not self.exhausted:
             try:
-                instance = await _anext_unhooked(self.async_it)
+                if self.started:
+                    instance = await self.async_it.__anext__()
+                else:
+                    self.started = True
+                    instance = await _anext_unhooked(self.async_it)
             except StopAsyncIteration:
                 self.groups.extend(self.batcher.finish())
                 self.exhausted = True
@@ -142,7 +147,11 @@ class _LocalPass:
 
 
 def _anext_unhooked(it: Any) -> Any:
-    """``it.__anext__()``, with an async generator's first step not tied to this loop."""
+    """``it.__anext__()``, with an async generator's first step not tied to this loop.
+
+    An async generator consults the loop's hooks once, at its first step: started this
+    way, no loop closes it at shutdown, and the session closes it itself.
+    """
     hooks = sys.get_asyncgen_hooks()
     sys.set_asyncgen_hooks(firstiter=None, finalizer=None)
     try:

@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._portal import portal
-
 if TYPE_CHECKING:
     from ._loader import DataLoader
 
@@ -31,17 +29,17 @@ class SyncLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        with portal() as call:
-            epoch = self.loader._iterate(self.device)
-            try:
-                while True:
-                    try:
-                        batch = call(_anext(epoch))
-                    except StopAsyncIteration:
-                        return
-                    yield batch
-            finally:
-                call(epoch.aclose())
+        call = self.loader._portal().call
+        epoch = self.loader._iterate(self.device)
+        try:
+            while True:
+                try:
+                    batch = call(_anext(epoch))
+                except StopAsyncIteration:
+                    return
+                yield batch
+        finally:
+            call(epoch.aclose())
 
 
 async def _anext(it: AsyncIterator[Any]) -> Any:

@@ -319,15 +319,19 @@ def check_leaks(baseline: LeakSnapshot, deadline: float = 10.0,
 def warm_up() -> None:
     """Create the process-wide resources that live until exit, before a baseline is taken.
 
-    libuv opens one signal pipe per process the first time a uvloop loop runs; it is not a
-    leak of any loader, but it would look like one to the first check.
+    libuv opens one signal pipe per process the first time a uvloop loop runs, and the
+    first spawned worker starts multiprocessing's resource tracker (a process and a pipe
+    kept for the life of this one); neither is a leak of any loader, but both would look
+    like one to the first check.
     """
     import asyncio
+    from multiprocessing import resource_tracker
 
     from ._loops import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(asyncio.sleep(0))
+    resource_tracker.ensure_running()
 
 
 @contextlib.contextmanager
