@@ -95,7 +95,8 @@ def _shm() -> set[str]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_no_segment_or_fd_per_batch_through_2000_batches():
-    list(aioloader.DataLoader([0], batch_size=1, quiet=True))  # uvloop's one-off signal pipe
+    with aioloader.DataLoader([0], batch_size=1, quiet=True) as warm:
+        list(warm)  # uvloop opens a process-wide signal pipe once: not ours to count
     fds_before, shm_before = _fds(), _shm()
     loader = aioloader.DataLoader(S.Payload(4000, 4096), batch_size=2, num_workers=2,
                                   quiet=True)
