@@ -79,3 +79,19 @@ class Uncollatable(aioloader.Reader):
     def read(self, data_path: Any) -> Iterator[Any]:
         yield {"index": 0, "thing": object()}
         yield {"index": 1, "thing": object()}
+
+
+class Draws(aioloader.Reader):
+    """What a worker's random generators give, and its WorkerInfo, per instance."""
+
+    def read(self, data_path: Any) -> Iterator[dict[str, Any]]:
+        import random
+
+        import numpy as np
+
+        info = aioloader.get_worker_info()
+        for i in range(4):
+            yield {"index": i, "wid": -1 if info is None else info.id,
+                   "seed": -1 if info is None else info.seed,
+                   "py": random.random(), "np": float(np.random.rand()),
+                   "torch": float(torch.rand(1))}

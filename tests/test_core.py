@@ -168,3 +168,34 @@ def test_public_names_match_the_contract():
     assert contract <= set(aioloader.__all__)
     for name in aioloader.__all__:
         assert getattr(aioloader, name).__module__.startswith("aioloader")
+
+
+def _draws(seed: int, epochs: int = 2, set_epoch: int | None = None) -> list[list[tuple]]:
+    loader = aioloader.DataLoader(S.Draws(), batch_size=2, num_workers=2, seed=seed,
+                                  max_instances_in_memory=4, quiet=True)
+    with loader:
+        if set_epoch is not None:
+            loader.set_epoch(set_epoch)
+        out = []
+        for _ in range(epochs):
+            rows = [tuple(b[k][j].item() for k in ("wid", "seed", "py", "np", "torch"))
+                    for b in loader for j in range(len(b["index"]))]
+            out.append(sorted(rows))
+        return out
+
+
+def test_worker_seeds_come_from_seed_epoch_and_worker():
+    a, b, other = _draws(7), _draws(7), _draws(8)
+    assert a == b, "same seed: the same random draws in every worker, epoch by epoch"
+    assert a != other, "another seed: other draws"
+    first, second = a
+    assert first != second, "each epoch reseeds the workers differently"
+    seeds = {row[1] for row in first}
+    assert len(seeds) == 2, "each worker has its own seed"
+    draws_by_worker = {row[0]: row[2] for row in first if row[2]}
+    assert len(set(draws_by_worker.values())) == 2, "workers draw independent numbers"
+
+
+def test_set_epoch_replays_that_epoch():
+    full = _draws(3, epochs=2)
+    assert _draws(3, epochs=1, set_epoch=1) == [full[1]]

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from aioloader.testing import leak_check  # noqa: E402
+from aioloader.testing import leak_check, warm_up  # noqa: E402
 
 DEFAULT_DEADLINE = float(os.environ.get("FAULTS_DEADLINE", "60"))
 HARD_EXTRA = 60.0
@@ -50,6 +50,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         signal.setitimer(signal.ITIMER_REAL, 0)
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _warm_up() -> None:
+    warm_up()  # uvloop's process-wide signal pipe, before any baseline
 
 
 @pytest.fixture(autouse=True)

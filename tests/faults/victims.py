@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import aioloader
 def explode_in_collate(batch: list[Any]) -> Any:
     """A collate that raises on its second batch."""
     if any(item["index"] >= 4 for item in batch):
-        raise ValueError("explode_in_collate: bad batch")
+        raise ValueError(f"explode_in_collate: bad batch at {time.time()!r}")
     return aioloader.default_collate(batch)
 
 
@@ -45,7 +46,7 @@ class ExplodingReader(aioloader.Reader):
 
 
 def explode_in_read(i: int) -> None:
-    raise KeyError(f"explode_in_read: instance {i}")
+    raise KeyError(f"explode_in_read: instance {i} at {time.time()!r}")
 
 
 class AsyncExplodingReader(ExplodingReader):
@@ -57,7 +58,7 @@ class AsyncExplodingReader(ExplodingReader):
 
 
 def explode_in_async_read(i: int) -> None:
-    raise KeyError(f"explode_in_async_read: instance {i}")
+    raise KeyError(f"explode_in_async_read: instance {i} at {time.time()!r}")
 
 
 class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
