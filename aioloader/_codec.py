@@ -54,10 +54,10 @@ def _encode(obj: Any, slot: SlotWriter) -> Any:
     if cls in _BARE:
         return obj
     if cls is int:
-        return obj if _INT64[0] <= obj <= _INT64[1] else ["P", pickle.dumps(obj)]
+        return obj if _INT64[0] <= obj <= _INT64[1] else ["P", _pickled(obj)]
     if isinstance(obj, torch.Tensor):
         if not _is_plain_tensor(obj):
-            return ["P", pickle.dumps(obj)]
+            return ["P", _pickled(obj)]
         t = obj.detach()
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
@@ -76,14 +76,29 @@ def _encode(obj: Any, slot: SlotWriter) -> Any:
     if cls is tuple:
         return ["t", [_encode(v, slot) for v in obj]]
     if isinstance(obj, tuple) and hasattr(cls, "_fields"):
-        return ["n", pickle.dumps(cls), [_encode(v, slot) for v in obj]]
+        return ["n", _pickled(cls), [_encode(v, slot) for v in obj]]
     if isinstance(obj, Mapping) and _rebuildable_mapping(cls):
         items = []
         for k, v in obj.items():
             items.append(_encode(k, slot))
             items.append(_encode(v, slot))
-        return ["m", pickle.dumps(cls), items]
-    return ["P", pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)]
+        return ["m", _pickled(cls), items]
+    return ["P", _pickled(obj)]
+
+
+def _pickled(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(
+            f"the batch holds a {type(obj).__module__}.{type(obj).__qualname__} "
+            f"({_short(obj)}), which is neither a tensor, a container, a plain value nor "
+            f"picklable, so it cannot reach the main process: {exc}") from exc
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _rebuildable_mapping(cls: type) -> bool:

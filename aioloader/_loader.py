@@ -27,12 +27,12 @@ from ._sessions import (
     PassDone,
     Session,
     WorkerIndex,
+    WorkerInstances,
     WorkerStream,
     local_instances,
-    worker_instances,
 )
 from ._sources import Kind, classify
-from ._supervisor import Supervisor
+from ._supervisor import GRACE, Supervisor
 from ._worker import Plan, WorkerSpec
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -313,11 +313,18 @@ class DataLoader:
                 "this loader is already being iterated: finish or close that epoch first, "
                 "or make a second DataLoader")
         token = object()
-        if self._epoch is not None:  # an abandoned epoch (break without close): stop it
-            await self._drop_session()
+        for _ in range(3):  # a loop of `async for` left by `break`: its finalizer is queued
+            if self._epoch is None:
+                break
+            await asyncio.sleep(0)
+        if self._epoch is not None:
+            raise LoaderBusyError(
+                "this loader is already being iterated (an epoch is in progress): finish or "
+                "close that epoch first (`await loader.aclose()`), or make a second DataLoader")
         self._epoch = token
         bar = self._bar()
         finished = False
+        failed = False
         try:
             session = await self._session()
             session.attach()
@@ -342,10 +349,11 @@ class DataLoader:
                     batch = step.value if device is None else move_to(step.value, device)
                     yield batch
                     if self._epoch is not token:
-                        raise LoaderBusyError(
-                            "this epoch was abandoned: a newer iteration of the same loader "
-                            "started and stopped it")
+                        raise LoaderBusyError("this epoch was stopped by loader.aclose()/close()")
                 finished = True
+            except Exception:
+                failed = True
+                raise
             finally:
                 if self._epoch is token:
                     session.detach()
@@ -354,7 +362,8 @@ class DataLoader:
             if self._epoch is token:
                 self._epoch = None
                 if not finished:  # break, cancellation, an error: this epoch's workers go
-                    await self._drop_session()
+                    # After an error nobody waits for the workers' last words: no grace.
+                    await self._drop_session(grace=0.0 if failed else GRACE)
 
     async def _step(self, session: Session) -> Delivered | PassDone:
         self._running = True
@@ -393,10 +402,10 @@ class DataLoader:
         return tqdm(total=total, disable=self.quiet, desc="batches", unit="batch",
                     dynamic_ncols=True)
 
-    async def _drop_session(self) -> None:
+    async def _drop_session(self, grace: float = GRACE) -> None:
         session, self._box.session = self._box.session, None
         if session is not None:
-            await session.aclose()
+            await session.aclose(grace)
 
     async def _session(self) -> Session:
         if getattr(self, "_drop_later", False):
@@ -460,7 +469,8 @@ class DataLoader:
             try:
                 while True:
                     try:
-                        item = await self._within_timeout(stream.__anext__(), "the reader")
+                        item = await self._within_timeout(stream.__anext__(),
+                                                      lambda: "the reader in this process")
                     except StopAsyncIteration:
                         return
                     yield item
@@ -471,24 +481,25 @@ class DataLoader:
         try:
             await sup.start()
             sup.attach()
-            it = worker_instances(sup)
+            it = WorkerInstances(sup)
             while True:
                 try:
-                    item = await self._within_timeout(it.__anext__(), "the workers")
+                    item = await self._within_timeout(it.__anext__(), it.behind)
                 except StopAsyncIteration:
                     return
                 yield item
         finally:
             await sup.aclose()
 
-    async def _within_timeout(self, awaitable: Any, who: str) -> Any:
+    async def _within_timeout(self, awaitable: Any, behind: Callable[[], str]) -> Any:
         if self.timeout is None:
             return await awaitable
         try:
             return await asyncio.wait_for(awaitable, self.timeout)
         except TimeoutError as exc:
             raise LoaderTimeoutError(
-                f"no instance within timeout={self.timeout}s from {who}") from exc
+                f"no instance within timeout={self.timeout}s; still waiting for {behind()}. "
+                "Raise timeout= if the reader is just slow.") from exc
 
 
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,

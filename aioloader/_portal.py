@@ -41,8 +41,13 @@ class Portal:
             with self._lock:
                 if self._runner is None:
                     self._runner = asyncio.Runner(loop_factory=loop_factory())
-            # Runner.run turns Ctrl-C into a cancellation of the coroutine, then re-raises.
-            return self._runner.run(coro)
+            # Runner.run turns Ctrl-C into a cancellation of the coroutine, then re-raises;
+            # but a Ctrl-C that lands before its handler is installed leaves the task behind.
+            try:
+                return self._runner.run(coro)
+            except BaseException:
+                self._cancel_leftovers(self._runner.get_loop())
+                raise
         fut = asyncio.run_coroutine_threadsafe(coro, self._thread_loop())
         try:
             return fut.result()
@@ -50,6 +55,14 @@ class Portal:
             fut.cancel()  # e.g. KeyboardInterrupt here: stop the coroutine there, then go on
             concurrent.futures.wait([fut])
             raise
+
+    @staticmethod
+    def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
     def usable_here(self) -> bool:
         """Whether :meth:`call` can run here now (not from inside the portal's own loop)."""

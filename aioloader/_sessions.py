@@ -14,14 +14,14 @@ import contextlib
 import itertools
 import pickle
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import _wire as wire
 from ._pipeline import BatchOptions, PassBatcher, collate_with, sync_batches
 from ._sources import Kind, fetch, is_async, open_shard
-from ._supervisor import Supervisor
+from ._supervisor import GRACE, Supervisor
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class Session(Protocol):
     def behind(self) -> str: ...
     def attach(self) -> None: ...
     def detach(self) -> None: ...
-    async def aclose(self) -> None: ...
+    async def aclose(self, grace: float = GRACE) -> None: ...
     def close(self) -> None: ...
     def kill(self) -> None: ...
 
@@ -199,7 +199,7 @@ class LocalStream:
     def detach(self) -> None:
         pass
 
-    async def aclose(self) -> None:
+    async def aclose(self, grace: float = GRACE) -> None:
         current, self._pass = self._pass, None
         if current is not None:
             await current.aclose()
@@ -240,7 +240,7 @@ class LocalIndex:
     def detach(self) -> None:
         pass
 
-    async def aclose(self) -> None:
+    async def aclose(self, grace: float = GRACE) -> None:
         pass
 
     def close(self) -> None:
@@ -291,6 +291,7 @@ class WorkerStream:
         self._rr = 0
         self._pending = set(range(self.n))
         self._produced = 0
+        self._waiting: int | None = None
 
     def _next_worker(self) -> int:
         for k in range(self.n):
@@ -307,7 +308,9 @@ class WorkerStream:
                 self._produced = 0
                 return done
             w = self._next_worker()
+            self._waiting = w
             msg = await self.sup.receive(w)
+            self._waiting = None
             if isinstance(msg, wire.Batch):
                 self._rr = w + 1
                 self._produced += 1
@@ -319,7 +322,8 @@ class WorkerStream:
                 raise AssertionError(f"unexpected message {msg!r}")
 
     def behind(self) -> str:
-        return self.sup.describe(sorted(self._pending))
+        ids = [self._waiting] if self._waiting is not None else sorted(self._pending)
+        return self.sup.describe(ids)
 
     def attach(self) -> None:
         self.sup.attach()
@@ -327,8 +331,8 @@ class WorkerStream:
     def detach(self) -> None:
         self.sup.detach()
 
-    async def aclose(self) -> None:
-        await self.sup.aclose()
+    async def aclose(self, grace: float = GRACE) -> None:
+        await self.sup.aclose(grace)
 
     def close(self) -> None:
         self.sup.close()
@@ -393,8 +397,8 @@ class WorkerIndex:
     def detach(self) -> None:
         self.sup.detach()
 
-    async def aclose(self) -> None:
-        await self.sup.aclose()
+    async def aclose(self, grace: float = GRACE) -> None:
+        await self.sup.aclose(grace)
 
     def close(self) -> None:
         self.sup.close()
@@ -403,24 +407,39 @@ class WorkerIndex:
         self.sup.kill()
 
 
-async def worker_instances(sup: Supervisor) -> AsyncIterator[Any]:
+class WorkerInstances:
     """One pass of instances from workers started with the "instances" plan.
 
     Instances are interleaved one by one round-robin, which restores the reader's own order
     when the loader shards (worker k holds positions k, k + n, ...).
     """
-    bufs: list[collections.deque[Any]] = [collections.deque() for _ in range(sup.num_workers)]
-    live = list(range(sup.num_workers))
-    k = 0
-    while live:
-        w = live[k % len(live)]
-        if not bufs[w]:
-            msg = await sup.receive(w)
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self._bufs: list[collections.deque[Any]] = [collections.deque()
+                                                    for _ in range(sup.num_workers)]
+        self._live = list(range(sup.num_workers))
+        self._k = 0
+        self._waiting: int | None = None
+
+    def __aiter__(self) -> WorkerInstances:
+        return self
+
+    async def __anext__(self) -> Any:
+        while self._live:
+            w = self._live[self._k % len(self._live)]
+            if self._bufs[w]:
+                self._k += 1
+                return self._bufs[w].popleft()
+            self._waiting = w
+            msg = await self.sup.receive(w)
+            self._waiting = None
             if isinstance(msg, wire.Batch):
-                bufs[w].extend(await sup.take(w, msg))
+                self._bufs[w].extend(await self.sup.take(w, msg))
             elif isinstance(msg, wire.PassEnd):
-                sup.send(w, wire.Release(msg.slot))
-                live.remove(w)
-            continue
-        yield bufs[w].popleft()
-        k += 1
+                self.sup.send(w, wire.Release(msg.slot))
+                self._live.remove(w)
+        raise StopAsyncIteration
+
+    def behind(self) -> str:
+        return self.sup.describe([self._waiting] if self._waiting is not None else self._live)

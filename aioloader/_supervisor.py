@@ -16,6 +16,7 @@ import contextlib
 import os
 import pickle
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -66,6 +67,8 @@ class WorkerState:
     outbox: bytearray = field(default_factory=bytearray)
     eof: bool = False
     exited: bool = False
+    started: bool = False
+    reaped: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -84,6 +87,7 @@ class Supervisor:
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._reaping = threading.Lock()
 
     # ------------------------------------------------------------------ start
 
@@ -116,8 +120,10 @@ class Supervisor:
                 proc = ctx.Process(target=worker_main, args=(self.spec.for_worker(k), child),
                                    daemon=True, name=f"aioloader-worker-{k}")
                 self.workers.append(WorkerState(k, proc, parent))
+                state = self.workers[-1]
                 try:
                     await loop.run_in_executor(_STARTER, proc.start)
+                    state.started = True
                 finally:
                     child.close()
                 parent.setblocking(False)
@@ -262,23 +268,32 @@ class Supervisor:
     def describe(self, worker_ids: list[int]) -> str:
         return ", ".join(f"worker {k} (pid {self.workers[k].pid})" for k in worker_ids)
 
-    async def aclose(self) -> None:
-        """Stop every worker and wait for it, without blocking the loop."""
-        if self._begin_close():
-            await asyncio.get_running_loop().run_in_executor(None, self._reap)
+    async def aclose(self, grace: float = GRACE) -> None:
+        """Stop every worker and wait for it, without blocking the loop.
 
-    def close(self) -> None:
+        ``grace``: how long a worker may take to leave on EOF before it is terminated (an
+        error path passes 0: nothing is waiting for that worker's last words).
+        """
+        if not self._begin_close():
+            return
+        reaped = asyncio.get_running_loop().run_in_executor(None, self._reap, grace)
+        try:
+            # Shielded: a cancellation (the loop shutting down, say) must not stop the
+            # reaping half-way; the executor's thread finishes it whatever happens here.
+            await asyncio.shield(reaped)
+        except asyncio.CancelledError:
+            self._reap(0.0)
+            raise
+
+    def close(self, grace: float = GRACE) -> None:
         """Blocking version of :meth:`aclose`."""
         if self._begin_close():
-            self._reap()
+            self._reap(grace)
 
     def kill(self) -> None:
         """The garbage collector's backstop: no grace, no waiting beyond the reaping."""
         if self._begin_close():
-            for w in self.workers:
-                if w.process.pid is not None and w.process.exitcode is None:
-                    w.process.kill()
-            self._reap()
+            self._reap(0.0)
 
     def _begin_close(self) -> bool:
         if self.closed:
@@ -292,9 +307,13 @@ class Supervisor:
                 os.close(w.fds.popleft())
         return True
 
-    def _reap(self) -> None:
-        deadline = time.monotonic() + GRACE
-        started = [w for w in self.workers if w.process.pid is not None]
+    def _reap(self, grace: float) -> None:
+        with self._reaping:  # the executor's thread and a cancelled caller may both get here
+            self._reap_locked(grace)
+
+    def _reap_locked(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        started = [w for w in self.workers if w.started and not w.reaped]
         for w in started:
             w.process.join(max(0.0, deadline - time.monotonic()))
         for escalate in (BaseProcess.terminate, BaseProcess.kill):
@@ -309,6 +328,7 @@ class Supervisor:
         for w in started:
             w.process.join()
             w.process.close()
+            w.reaped = True
         for w in self.workers:
             if w.arena is not None:
                 w.arena.close()

@@ -89,7 +89,8 @@ ASYNC_STOPS = ["break", "raise", "cancel-between", "cancel-waiting"]
 
 @pytest.mark.parametrize(("consumer", "how", "workers_", "lazy"), [
     *[("async", h, w, 8) for h in ASYNC_STOPS for w in (1, 2)],
-    # async x cached: see test_async_stop_cached_then_loop_shutdown (a race, xfail)
+    # cached: batches come from memory at once, so "waiting" cannot be caught in the act
+    *[("async", h, 2, None) for h in ASYNC_STOPS if h != "cancel-waiting"],
     *[("sync", h, w, lazy) for h in ("break", "raise") for w, lazy in ((1, None), (2, 8))],
 ])
 def test_consumer_stops_then_loader_reusable(consumer: str, how: str, workers_: int,
@@ -115,17 +116,15 @@ def test_consumer_stops_then_loader_reusable(consumer: str, how: str, workers_: 
     assert _indices(asyncio.run(_all(loader))) == list(range(40))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: cached mode, async for stopped inside a task, then asyncio.run returns: the "
-    "epoch's workers are still alive after asyncio.run (the epoch's cleanup, run by the "
-    "async generator's finalizer task, does not finish before the loop shuts down)"))
-@pytest.mark.leaks_ok  # the leftover workers are this test's subject; closed below
 def test_async_stop_cached_then_loop_shutdown() -> None:
     loader = _loader(2, None)
     try:
-        for k in range(20):  # a race: each round fails more often than not
+        for k in range(20):  # cleanup raced the loop shutdown once: many rounds
+            # (not "cancel-waiting": cached batches come at once, the epoch would end first
+            # and its workers rightly stay for the next one)
+            stops = [h for h in ASYNC_STOPS if h != "cancel-waiting"]
             pids = asyncio.run(asyncio.wait_for(
-                _stop_async(loader, ASYNC_STOPS[k % len(ASYNC_STOPS)], at=3), 30))
+                _stop_async(loader, stops[k % len(stops)], at=3), 30))
             left = survivors(0.0, pids=pids)
             assert not left, f"round {k}: workers alive after asyncio.run returned: {left}"
     finally:

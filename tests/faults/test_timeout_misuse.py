@@ -32,13 +32,8 @@ async def _until_timeout(loader: aioloader.DataLoader) -> tuple[BaseException, f
 
 
 @pytest.mark.parametrize("lazy", [
-    pytest.param(8, id="lazy", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: WorkerStream.behind() names every worker still in the pass "
-        "(_pending), not the one receive() waits for: worker 0 is named though it is "
-        "only waiting for free slots"))),
-    pytest.param(None, id="cached", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: DataLoader._read_pass's timeout says 'from the workers' and names no "
-        "worker (no pid) while the instances of a cached loader are read"))),
+    pytest.param(8, id="lazy"),
+    pytest.param(None, id="cached"),
 ])
 def test_timeout_names_the_stalled_worker(lazy: int | None) -> None:
     reader = SlowReader(40, stall_at=10, worker=1)
@@ -181,10 +176,7 @@ async def _hold_then_race(loader: aioloader.DataLoader, *, while_waiting: bool,
 
 @pytest.mark.parametrize("while_waiting", [
     pytest.param(True, id="A-waiting"),
-    pytest.param(False, id="A-between", marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: DataLoader._iterate treats an epoch paused between two batches as abandoned: "
-        "the second iteration stops the first one's session and runs, and the first gets "
-        "LoaderBusyError('this epoch was abandoned...')"))),
+    pytest.param(False, id="A-between"),
 ])
 def test_two_iterations_at_once(while_waiting: bool) -> None:
     reader = SlowReader(20, delay=0.01)
