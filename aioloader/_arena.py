@@ -13,6 +13,8 @@ import contextlib
 import mmap
 import os
 import tempfile
+import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -48,11 +50,14 @@ def create_file(size: int, name: str) -> int:
 class ArenaMap:
     """A mapping of an arena file: ``slots`` slots of ``slot_size`` bytes each."""
 
-    def __init__(self, fd: int, slots: int, slot_size: int) -> None:
+    def __init__(self, fd: int, slots: int, slot_size: int, *, populate: bool = False) -> None:
         self.slots = slots
         self.slot_size = slot_size
         size = slots * slot_size
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        # The writer pre-faults its mapping (a fresh page costs ~3 us to fault in, which a
+        # reused slot pays once instead of per batch); the reader maps lazily: mapping pages
+        # that already exist is cheap, and populating here would stall the event loop.
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
         if hasattr(mmap, "MADV_DONTFORK"):
             # Processes forked later (other loaders' workers) must not pin this memory.
@@ -62,7 +67,10 @@ class ArenaMap:
         self.base_ptr: int = self.bytes.data_ptr()
 
     def slot_range(self, slot: int) -> tuple[int, int]:
-        start = slot * self.slot_size
+        """Byte range of ``slot``. Slot ids run on across arenas (generation g holds ids
+        g * slots ... g * slots + slots - 1), so that a release can never be mistaken for
+        one of another arena."""
+        start = (slot % self.slots) * self.slot_size
         return start, start + self.slot_size
 
     def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -79,6 +87,32 @@ class ArenaMap:
         if mm is not None:
             with contextlib.suppress(BufferError):
                 mm.close()
+
+
+class Lease:
+    """Views of one slot for the consumer (parent side); ``on_free`` runs once none is left.
+
+    The views share one numpy array over the slot, the only object whose death is
+    observable (torch storages get new Python wrappers each time they are looked at); its
+    ``weakref.finalize`` hands the slot back. It may run in any thread, at any time.
+    """
+
+    def __init__(self, arena: ArenaMap, slot: int, on_free: Callable[[], None]) -> None:
+        import numpy as np
+
+        assert arena._mm is not None
+        self._start, _ = arena.slot_range(slot)
+        self._base = np.frombuffer(arena._mm, dtype=np.uint8, count=arena.slot_size,
+                                   offset=self._start)
+        weakref.finalize(self._base, on_free)
+
+    def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        rel = offset - self._start
+        raw = torch.from_numpy(self._base[rel:rel + numel * dtype.itemsize])
+        return raw.view(dtype).view(shape)
 
 
 class SlotFull(Exception):

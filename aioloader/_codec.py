@@ -4,14 +4,15 @@
 there, when the collate wrote straight into it) and become ``["T", offset, dtype, shape,
 requires_grad]``; containers keep their exact type (``"d"`` dict, ``"l"`` list, ``"t"``
 tuple, ``"n"`` namedtuple, ``"m"`` other mapping); plain msgpack scalars stay bare; anything
-else is pickled (``"P"``). ``decode`` rebuilds it in the parent with tensors copied out, so
-the consumer owns them.
+else is pickled (``"P"``). ``decode`` rebuilds it in the parent, each tensor either copied
+out or leased (a view of the slot that gives the slot back once garbage-collected).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,36 +110,44 @@ def _rebuildable_mapping(cls: type) -> bool:
         issubclass(cls, dict) and cls.__init__ is dict.__init__ and cls.__new__ is dict.__new__)
 
 
-def decode(tree: Any, arena: ArenaMap | None) -> Any:
-    """Rebuild what ``encode`` wrote; tensors are copied out of ``arena`` (owned)."""
+TensorAt = Callable[[int, torch.dtype, list[int]], torch.Tensor]
+
+
+def copied_from(arena: ArenaMap | None) -> TensorAt:
+    """Tensors copied out of ``arena``: the consumer owns them, the slot is free at once."""
+    def tensor_at(offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        assert arena is not None, "a batch with tensors arrived before its arena"
+        return arena.view(offset, dtype, shape).clone()
+
+    return tensor_at
+
+
+def decode(tree: Any, tensor_at: TensorAt) -> Any:
+    """Rebuild what ``encode`` wrote, each tensor made by ``tensor_at`` (copied or leased)."""
     if type(tree) is not list:
         return tree
     tag = tree[0]
     if tag == "T":
         _, off, dtype_name, shape, requires_grad = tree
         dtype = getattr(torch, dtype_name)
-        if 0 in shape:
-            out = torch.empty(shape, dtype=dtype)
-        else:
-            assert arena is not None, "a batch with tensors arrived before its arena"
-            out = arena.view(off, dtype, shape).clone()
+        out = torch.empty(shape, dtype=dtype) if 0 in shape else tensor_at(off, dtype, shape)
         if requires_grad:
             out.requires_grad_(True)
         return out
     if tag == "d":
         items = tree[1]
-        return {decode(items[i], arena): decode(items[i + 1], arena)
+        return {decode(items[i], tensor_at): decode(items[i + 1], tensor_at)
                 for i in range(0, len(items), 2)}
     if tag == "l":
-        return [decode(v, arena) for v in tree[1]]
+        return [decode(v, tensor_at) for v in tree[1]]
     if tag == "t":
-        return tuple(decode(v, arena) for v in tree[1])
+        return tuple(decode(v, tensor_at) for v in tree[1])
     if tag == "n":
-        return pickle.loads(tree[1])(*(decode(v, arena) for v in tree[2]))
+        return pickle.loads(tree[1])(*(decode(v, tensor_at) for v in tree[2]))
     if tag == "m":
         items = tree[2]
         return pickle.loads(tree[1])(
-            [(decode(items[i], arena), decode(items[i + 1], arena))
+            [(decode(items[i], tensor_at), decode(items[i + 1], tensor_at))
              for i in range(0, len(items), 2)])
     if tag == "P":
         return pickle.loads(tree[1])

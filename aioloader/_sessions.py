@@ -316,7 +316,7 @@ class WorkerStream:
                 self._produced += 1
                 return Delivered(await self.sup.take(w, msg))
             if isinstance(msg, wire.PassEnd):
-                self.sup.send(w, wire.Release(msg.slot))
+                self.sup.release(w, msg.slot)
                 self._pending.discard(w)
             else:
                 raise AssertionError(f"unexpected message {msg!r}")
@@ -437,7 +437,7 @@ class WorkerInstances:
             if isinstance(msg, wire.Batch):
                 self._bufs[w].extend(await self.sup.take(w, msg))
             elif isinstance(msg, wire.PassEnd):
-                self.sup.send(w, wire.Release(msg.slot))
+                self.sup.release(w, msg.slot)
                 self._live.remove(w)
         raise StopAsyncIteration
 

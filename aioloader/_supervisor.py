@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import contextlib
 import os
 import pickle
@@ -25,8 +26,8 @@ from typing import Any
 import torch.multiprocessing
 
 from . import _wire as wire
-from ._arena import ArenaMap
-from ._codec import decode
+from ._arena import ArenaMap, Lease
+from ._codec import copied_from, decode
 from ._errors import SourcePicklingError, WorkerDied, WorkerError
 from ._worker import WorkerSpec, worker_main
 
@@ -50,6 +51,7 @@ def _close_parent_fds_in_child() -> None:
 os.register_at_fork(after_in_child=_close_parent_fds_in_child)
 
 COPY_IN_THREAD_BYTES = 1 << 20
+LEASE_MIN_BYTES = 256 << 10  # below, a copy costs less than a lease's bookkeeping
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
 
@@ -63,12 +65,16 @@ class WorkerState:
     frames: wire.FrameReader = field(default_factory=wire.FrameReader)
     inbox: collections.deque[wire.Message] = field(default_factory=collections.deque)
     fds: collections.deque[int] = field(default_factory=collections.deque)
-    arena: ArenaMap | None = None
+    arenas: dict[int, ArenaMap] = field(default_factory=dict)  # by generation
+    generation: int = -1  # the newest
+    unreleased: collections.Counter[int] = field(default_factory=collections.Counter)
     outbox: bytearray = field(default_factory=bytearray)
     eof: bool = False
     exited: bool = False
     started: bool = False
     reaped: bool = False
+    leased: int = 0  # slots whose batch the consumer still holds
+    returned: collections.deque[int] = field(default_factory=collections.deque)  # any thread
 
     @property
     def pid(self) -> int | None:
@@ -184,16 +190,32 @@ class Supervisor:
         if isinstance(msg, wire.Arena):
             fd = w.fds.popleft()
             try:
-                if w.arena is not None:
-                    w.arena.close()
-                w.arena = ArenaMap(fd, msg.slots, msg.slot_size)
+                w.generation += 1
+                w.arenas[w.generation] = ArenaMap(fd, msg.slots, msg.slot_size)
             finally:
                 os.close(fd)
+            self._retire(w, w.generation - 1)
         elif isinstance(msg, wire.Failed):
             if self.failure is None:
                 self.failure = _worker_error(w, msg)
         else:
+            if isinstance(msg, (wire.Batch, wire.PassEnd)):
+                w.unreleased[msg.slot // self.spec.slots] += 1
             w.inbox.append(msg)
+
+    def release(self, worker_id: int, slot: int) -> None:
+        """Give ``slot`` back to its worker; unmap a retired arena once nothing is in it."""
+        w = self.workers[worker_id]
+        generation = slot // self.spec.slots
+        w.unreleased[generation] -= 1
+        self.send(worker_id, wire.Release(slot))
+        self._retire(w, generation)
+
+    def _retire(self, w: WorkerState, generation: int) -> None:
+        if generation < w.generation and w.unreleased[generation] <= 0:
+            arena = w.arenas.pop(generation, None)
+            if arena is not None:
+                arena.close()
 
     def _on_exit(self, w: WorkerState) -> None:
         assert self._loop is not None
@@ -208,6 +230,7 @@ class Supervisor:
     async def receive(self, worker_id: int) -> wire.Message:
         """The next message of worker ``worker_id``; raises the session's first failure."""
         w = self.workers[worker_id]
+        self._take_back_leases()
         while True:
             if self.failure is not None:
                 raise self.failure
@@ -218,18 +241,36 @@ class Supervisor:
             await self._waiter
 
     async def take(self, worker_id: int, msg: wire.Batch) -> Any:
-        """Copy a batch out of its slot and give the slot back.
+        """The batch in ``msg``, the consumer's own: leased, or copied out of its slot.
 
-        A large batch is copied in a thread (``copy_`` releases the GIL), so that the loop
-        keeps running meanwhile: at memcpy speed a 10 MB batch is milliseconds of work.
+        A large batch is leased: its tensors are views of the slot, which goes back to the
+        worker once they are garbage-collected, so nothing is copied. A worker always keeps
+        one slot that is not leased, so a consumer that hoards batches slows the loader
+        down to copying (each slot back at once) but never stalls it. A small batch, or one
+        past that limit, is copied; a large copy runs in a thread (``copy_`` releases the
+        GIL), so that the loop keeps running meanwhile.
         """
         w = self.workers[worker_id]
+        self._take_back_leases()
+        arena = w.arenas.get(msg.slot // self.spec.slots)
+        if msg.nbytes >= LEASE_MIN_BYTES and w.leased < self.spec.slots - 1 and arena:
+            w.leased += 1
+            lease = Lease(arena, msg.slot, functools.partial(w.returned.append, msg.slot))
+            return decode(msg.tree, lease.view)
         try:
             if msg.nbytes >= COPY_IN_THREAD_BYTES:
-                return await asyncio.to_thread(decode, msg.tree, w.arena)
-            return decode(msg.tree, w.arena)
+                return await asyncio.to_thread(decode, msg.tree, copied_from(arena))
+            return decode(msg.tree, copied_from(arena))
         finally:
-            self.send(worker_id, wire.Release(msg.slot))
+            self.release(worker_id, msg.slot)
+
+    def _take_back_leases(self) -> None:
+        """Give the workers back the slots whose leased batches were garbage-collected."""
+        for w in self.workers:
+            while w.returned:
+                slot = w.returned.popleft()
+                w.leased -= 1
+                self.release(w.id, slot)
 
     # ------------------------------------------------------------------ send
 
@@ -330,9 +371,9 @@ class Supervisor:
             w.process.close()
             w.reaped = True
         for w in self.workers:
-            if w.arena is not None:
-                w.arena.close()
-                w.arena = None
+            for arena in w.arenas.values():
+                arena.close()  # leased views keep their mapping: it goes with the last one
+            w.arenas.clear()
 
 
 def _worker_error(w: WorkerState, msg: wire.Failed) -> WorkerError:

@@ -109,6 +109,7 @@ class _Channel:
         self.loop = asyncio.get_running_loop()
         self.frames = wire.FrameReader()
         self.free: collections.deque[int] = collections.deque(range(spec.slots))
+        self.generation = 0  # of the arena; slot ids of generation g: g * slots + k
         self.tasks: collections.deque[wire.Task] = collections.deque()
         self.eof = False
         self.arena: ArenaMap | None = None
@@ -132,7 +133,8 @@ class _Channel:
         else:
             for msg in self.frames.feed(data):
                 if isinstance(msg, wire.Release):
-                    self.free.append(msg.slot)
+                    if msg.slot // self.spec.slots == self.generation:
+                        self.free.append(msg.slot)  # a slot of a retired arena stays retired
                 elif isinstance(msg, wire.Task):
                     self.tasks.append(msg)
         if self._wake is not None and not self._wake.done():
@@ -196,19 +198,19 @@ class _Channel:
             return False
         if self.arena is None:
             payload = make()  # the first batch tells how large a slot must be
-            await self._grow(tensors_nbytes(payload), slot)
+            slot = await self._grow(tensors_nbytes(payload), slot)
             writer = self._writer(slot)
         else:
             writer = self._writer(slot)
             with use_allocator(writer.alloc):
                 payload = make()
             if writer.overflow:
-                await self._grow(writer.pos - writer.start + writer.overflow, slot)
+                slot = await self._grow(writer.pos - writer.start + writer.overflow, slot)
                 writer = self._writer(slot)
         try:
             tree = encode(payload, writer)
         except SlotFull as full:
-            await self._grow(full.needed, slot)
+            slot = await self._grow(full.needed, slot)
             writer = self._writer(slot)
             tree = encode(payload, writer)
         nbytes = writer.pos - writer.start
@@ -219,29 +221,31 @@ class _Channel:
         assert self.arena is not None
         return SlotWriter(self.arena, slot)
 
-    async def _grow(self, needed: int, holding: int) -> None:
-        """Replace the arena by one whose slots hold ``needed`` bytes.
+    async def _grow(self, needed: int, holding: int) -> int:
+        """Make sure a slot holds ``needed`` bytes; the slot to write the batch in.
 
-        Waits until the parent has given back every other slot, so that no batch it has
-        not yet copied out lies in the old arena.
+        A larger arena is a new generation with fresh slot ids; the old one is retired
+        without waiting for its slots: the parent keeps its mapping for as long as batches
+        in it are unread or leased to the consumer, and its releases are ignored here.
         """
         if self.arena is not None and needed <= self.arena.slot_size:
-            return
-        others = self.spec.slots - 1
-        if not await self._until(lambda: len(self.free) >= others):
-            raise _ParentGone
+            return holding
         size = round_slot_size(needed)
         name = f"aioloader-w{self.spec.worker_id}"
         fd = create_file(self.spec.slots * size, name)
         try:
-            new = ArenaMap(fd, self.spec.slots, size)
+            new = ArenaMap(fd, self.spec.slots, size, populate=True)
             await self.send(wire.Arena(self.spec.slots, size), fds=[fd])
         finally:
             os.close(fd)
         if self.arena is not None:
             self.arena.close()
+            self.generation += 1
+            first = self.generation * self.spec.slots
+            self.free = collections.deque(range(first, first + self.spec.slots))
+            holding = self.free.popleft()
         self.arena = new
-        del holding
+        return holding
 
 
 class _ParentGone(Exception):

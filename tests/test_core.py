@@ -199,3 +199,21 @@ def test_worker_seeds_come_from_seed_epoch_and_worker():
 def test_set_epoch_replays_that_epoch():
     full = _draws(3, epochs=2)
     assert _draws(3, epochs=1, set_epoch=1) == [full[1]]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_leased_batches_stay_intact_when_hoarded(num_workers):
+    """Large batches are views of a slot until dropped; a hoarding consumer must neither
+    stall the workers nor see a kept batch change (the loader falls back to copying)."""
+    n, numel = 40, 300_000  # 2 x 1.2 MB a batch: above the lease threshold
+    loader = aioloader.DataLoader(S.Payload(n, numel), batch_size=2, num_workers=num_workers,
+                                  quiet=True)
+    kept = list(loader)
+    assert len(kept) == n // 2
+    more = list(loader)  # the slots go round again while the first epoch is still held
+    loader.close()
+    for k, batch in enumerate(kept + more):
+        i = 2 * (k % (n // 2))
+        assert bool((batch[0] == i).all()) and bool((batch[1] == i + 1).all()), k
+    kept[0].fill_(-1)  # writable, and its own
+    assert bool((kept[1][0] == 2).all())

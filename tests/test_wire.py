@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -9,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aioloader import _wire as wire
-from aioloader._arena import ArenaMap, SlotFull, SlotWriter, create_file
-from aioloader._codec import decode, encode
+from aioloader._arena import ArenaMap, Lease, SlotFull, SlotWriter, create_file
+from aioloader._codec import copied_from, decode, encode
 
 messages = st.one_of(
     st.builds(wire.Release, st.integers(0, 64)),
@@ -79,8 +80,15 @@ def test_batch_trees_survive_the_arena(tree):
         os.close(fd)
     try:
         encoded = encode(tree, SlotWriter(arena, 1))
-        got = decode(wire.decode(wire.encode(wire.Batch(1, 0, 0, encoded))[4:]).tree, receiver)
-        assert _same(got, tree)
+        message = wire.decode(wire.encode(wire.Batch(1, 0, 0, encoded))[4:])
+        assert isinstance(message, wire.Batch)
+        assert _same(decode(message.tree, copied_from(receiver)), tree)
+        returned: list[int] = []
+        leased = decode(message.tree, Lease(receiver, 1, lambda: returned.append(1)).view)
+        assert _same(leased, tree)
+        del leased
+        gc.collect()
+        assert returned == [1], "a leased slot comes back once its views are gone"
     finally:
         arena.close()
         receiver.close()
