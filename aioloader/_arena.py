@@ -58,10 +58,9 @@ class ArenaMap:
         # reused slot pays once instead of per batch); the reader maps lazily: mapping pages
         # that already exist is cheap, and populating here would stall the event loop.
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        # No MADV_DONTFORK: tensors leased from this mapping may be part of what a worker
+        # forked later reads (a cache, a dataset built from batches); it must see them.
         self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
-        if hasattr(mmap, "MADV_DONTFORK"):
-            # Processes forked later (other loaders' workers) must not pin this memory.
-            self._mm.madvise(mmap.MADV_DONTFORK)
         self.bytes: torch.Tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._storage = self.bytes.untyped_storage()
         self.base_ptr: int = self.bytes.data_ptr()

@@ -435,7 +435,8 @@ class WorkerInstances:
             msg = await self.sup.receive(w)
             self._waiting = None
             if isinstance(msg, wire.Batch):
-                self._bufs[w].extend(await self.sup.take(w, msg))
+                # copied, never leased: a cache keeps these for the loader's lifetime
+                self._bufs[w].extend(await self.sup.take(w, msg, lease=False))
             elif isinstance(msg, wire.PassEnd):
                 self.sup.release(w, msg.slot)
                 self._live.remove(w)

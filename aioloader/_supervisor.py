@@ -240,7 +240,7 @@ class Supervisor:
             self._waiter = self._loop.create_future()
             await self._waiter
 
-    async def take(self, worker_id: int, msg: wire.Batch) -> Any:
+    async def take(self, worker_id: int, msg: wire.Batch, *, lease: bool = True) -> Any:
         """The batch in ``msg``, the consumer's own: leased, or copied out of its slot.
 
         A large batch is leased: its tensors are views of the slot, which goes back to the
@@ -248,15 +248,16 @@ class Supervisor:
         one slot that is not leased, so a consumer that hoards batches slows the loader
         down to copying (each slot back at once) but never stalls it. A small batch, or one
         past that limit, is copied; a large copy runs in a thread (``copy_`` releases the
-        GIL), so that the loop keeps running meanwhile.
+        GIL), so that the loop keeps running meanwhile. ``lease=False`` always copies (for
+        what is kept for long, like a cache of instances).
         """
         w = self.workers[worker_id]
         self._take_back_leases()
         arena = w.arenas.get(msg.slot // self.spec.slots)
-        if msg.nbytes >= LEASE_MIN_BYTES and w.leased < self.spec.slots - 1 and arena:
+        if lease and msg.nbytes >= LEASE_MIN_BYTES and w.leased < self.spec.slots - 1 and arena:
             w.leased += 1
-            lease = Lease(arena, msg.slot, functools.partial(w.returned.append, msg.slot))
-            return decode(msg.tree, lease.view)
+            views = Lease(arena, msg.slot, functools.partial(w.returned.append, msg.slot))
+            return decode(msg.tree, views.view)
         try:
             if msg.nbytes >= COPY_IN_THREAD_BYTES:
                 return await asyncio.to_thread(decode, msg.tree, copied_from(arena))

@@ -95,3 +95,14 @@ class Draws(aioloader.Reader):
                    "seed": -1 if info is None else info.seed,
                    "py": random.random(), "np": float(np.random.rand()),
                    "torch": float(torch.rand(1))}
+
+
+class BigInstances(aioloader.Reader):
+    """Instances whose chunks are large enough to be leased, were they not cached."""
+
+    def __init__(self, n: int, numel: int) -> None:
+        self.n, self.numel = n, numel
+
+    def read(self, data_path: Any) -> Iterator[dict[str, Any]]:
+        for i in range(self.n):
+            yield {"index": i, "x": torch.full((self.numel,), float(i))}

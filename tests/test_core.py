@@ -217,3 +217,15 @@ def test_leased_batches_stay_intact_when_hoarded(num_workers):
         assert bool((batch[0] == i).all()) and bool((batch[1] == i + 1).all()), k
     kept[0].fill_(-1)  # writable, and its own
     assert bool((kept[1][0] == 2).all())
+
+
+def test_cached_instances_with_large_tensors_reach_workers_forked_later():
+    """The cache is read through one set of workers and served by the next (forked after):
+    its tensors must be the parent's own memory, not views of the first workers' arenas."""
+    reader = S.BigInstances(120, 40_000)
+    with aioloader.DataLoader(reader, batch_size=8, num_workers=2, quiet=True) as loader:
+        for _ in range(2):
+            batches = list(loader)
+            assert sorted(indices(batches)) == list(range(120))
+            for b in batches:
+                assert torch.equal(b["x"][:, 0], b["index"].float())
