@@ -11,8 +11,7 @@ out or leased (a view of the slot that gives the slot back once garbage-collecte
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch

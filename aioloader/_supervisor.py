@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import functools
 import contextlib
+import functools
 import os
 import pickle
 import socket
