@@ -54,9 +54,10 @@ class ArenaMap:
         self.slots = slots
         self.slot_size = slot_size
         size = slots * slot_size
-        # The writer pre-faults its mapping (a fresh page costs ~3 us to fault in, which a
-        # reused slot pays once instead of per batch); the reader maps lazily: mapping pages
-        # that already exist is cheap, and populating here would stall the event loop.
+        # Not pre-faulted by default: a fresh page costs ~3 us to fault in, and a slot pays
+        # that once, on its first batch, then never again (slots are reused). Populating the
+        # whole arena up front would make the first batch wait for every slot's pages; in
+        # the parent it would stall the event loop.
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         # No MADV_DONTFORK: tensors leased from this mapping may be part of what a worker
         # forked later reads (a cache, a dataset built from batches); it must see them.

@@ -234,7 +234,7 @@ class _Channel:
         name = f"aioloader-w{self.spec.worker_id}"
         fd = create_file(self.spec.slots * size, name)
         try:
-            new = ArenaMap(fd, self.spec.slots, size, populate=True)
+            new = ArenaMap(fd, self.spec.slots, size)
             await self.send(wire.Arena(self.spec.slots, size), fds=[fd])
         finally:
             os.close(fd)
