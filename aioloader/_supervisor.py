@@ -118,6 +118,9 @@ class Supervisor:
     async def start(self) -> None:
         self.check_picklable()
         ctx: Any = torch.multiprocessing.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            # The server imports torch and aioloader once; each worker forks from it warm.
+            ctx.set_forkserver_preload(["aioloader._worker"])
         loop = asyncio.get_running_loop()
         try:
             for k in range(self.num_workers):
