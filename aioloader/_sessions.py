@@ -282,7 +282,28 @@ async def local_instances(source: Any, kind: Kind, data_path: Any, rank: int = 0
 
 # ---------------------------------------------------------------------- through workers
 
-class WorkerStream:
+class _OnWorkers:
+    """The lifetime of a session whose batches come from a supervisor's workers."""
+
+    sup: Supervisor
+
+    def attach(self) -> None:
+        self.sup.attach()
+
+    def detach(self) -> None:
+        self.sup.detach()
+
+    async def aclose(self, grace: float = GRACE) -> None:
+        await self.sup.aclose(grace)
+
+    def close(self) -> None:
+        self.sup.close()
+
+    def kill(self) -> None:
+        self.sup.kill()
+
+
+class WorkerStream(_OnWorkers):
     """Each worker streams passes over its shard; batches are taken round-robin."""
 
     def __init__(self, sup: Supervisor) -> None:
@@ -325,21 +346,6 @@ class WorkerStream:
         ids = [self._waiting] if self._waiting is not None else sorted(self._pending)
         return self.sup.describe(ids)
 
-    def attach(self) -> None:
-        self.sup.attach()
-
-    def detach(self) -> None:
-        self.sup.detach()
-
-    async def aclose(self, grace: float = GRACE) -> None:
-        await self.sup.aclose(grace)
-
-    def close(self) -> None:
-        self.sup.close()
-
-    def kill(self) -> None:
-        self.sup.kill()
-
 
 @dataclass(frozen=True, slots=True)
 class _InFlight:
@@ -347,7 +353,7 @@ class _InFlight:
     worker: int
 
 
-class WorkerIndex:
+class WorkerIndex(_OnWorkers):
     """The main process plans index batches; worker ``seq % n`` fetches batch ``seq``.
 
     Batches come back in the plan's order whatever the number of workers. At most
@@ -390,21 +396,6 @@ class WorkerIndex:
         head = self._queue[0] if self._queue else None
         ids = [head.worker] if isinstance(head, _InFlight) else list(range(self.n))
         return self.sup.describe(ids)
-
-    def attach(self) -> None:
-        self.sup.attach()
-
-    def detach(self) -> None:
-        self.sup.detach()
-
-    async def aclose(self, grace: float = GRACE) -> None:
-        await self.sup.aclose(grace)
-
-    def close(self) -> None:
-        self.sup.close()
-
-    def kill(self) -> None:
-        self.sup.kill()
 
 
 class WorkerInstances:
