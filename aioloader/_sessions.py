@@ -160,7 +160,17 @@ def _anext_unhooked(it: Any) -> Any:
         sys.set_asyncgen_hooks(*hooks)
 
 
-class LocalStream:
+class _InProcess:
+    """A session without workers: nothing to watch on the event loop."""
+
+    def attach(self) -> None:
+        pass
+
+    def detach(self) -> None:
+        pass
+
+
+class LocalStream(_InProcess):
     """Passes over a reader or IterableDataset, batched and collated in this process."""
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, options: BatchOptions,
@@ -193,12 +203,6 @@ class LocalStream:
     def behind(self) -> str:
         return "the reader in this process (num_workers=0)"
 
-    def attach(self) -> None:
-        pass
-
-    def detach(self) -> None:
-        pass
-
     async def aclose(self, grace: float = GRACE) -> None:
         current, self._pass = self._pass, None
         if current is not None:
@@ -213,7 +217,7 @@ class LocalStream:
             current.close()
 
 
-class LocalIndex:
+class LocalIndex(_InProcess):
     """Index batches of a map-style source, fetched and collated off the event loop."""
 
     def __init__(self, dataset: Any, passes: Iterator[list[list[int]]],
@@ -233,12 +237,6 @@ class LocalIndex:
 
     def behind(self) -> str:
         return "the dataset in this process (num_workers=0)"
-
-    def attach(self) -> None:
-        pass
-
-    def detach(self) -> None:
-        pass
 
     async def aclose(self, grace: float = GRACE) -> None:
         pass
