@@ -9,7 +9,7 @@ import random
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from ._sessions import (
 from ._sources import Kind, classify
 from ._supervisor import GRACE, Supervisor
 from ._worker import Plan, WorkerSpec
+
+if TYPE_CHECKING:
+    from ._sync import SyncLoader
 
 START_METHODS = ("fork", "spawn", "forkserver")
 
@@ -201,6 +204,7 @@ class DataLoader:
                                  self._base_seed, self._topo, even_batches)
         self._cache: CachedInstances | None = None
         self._next_pass = 0  # the pass a new session starts with
+        self._restart = False  # set_epoch(): the next epoch starts a new session
         self._box = _Box()
         self._epoch: object | None = None  # token of the epoch in progress
         self._running = False  # an epoch is inside session.next() right now
@@ -230,7 +234,7 @@ class DataLoader:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         self._next_pass = epoch
-        self._drop_later = True
+        self._restart = True
 
     def __len__(self) -> int:
         if self.batches_per_epoch is not None:
@@ -408,8 +412,8 @@ class DataLoader:
             await session.aclose(grace)
 
     async def _session(self) -> Session:
-        if getattr(self, "_drop_later", False):
-            self._drop_later = False
+        if self._restart:
+            self._restart = False
             await self._drop_session()
         if self._box.session is None:
             self._box.session = await self._open_session(self._next_pass)
@@ -536,5 +540,3 @@ def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_s
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
 
-
-from ._sync import SyncLoader  # noqa: E402 - SyncLoader's module needs DataLoader's

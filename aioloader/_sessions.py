@@ -73,14 +73,6 @@ def _unpickle_cached(data: bytes) -> CachedInstances:
 
 # ---------------------------------------------------------------------- in this process
 
-class _Thread:
-    """Runs blocking steps off the event loop: a sync reader must never block it."""
-
-    @staticmethod
-    async def run(fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.to_thread(fn, *args)
-
-
 _END = object()
 
 
@@ -114,7 +106,7 @@ class _LocalPass:
     async def next(self) -> Any:
         """The next collated batch, or _END."""
         if self.sync_it is not None:
-            return await _Thread.run(_next_or_end, self.sync_it)
+            return await asyncio.to_thread(_next_or_end, self.sync_it)
         while not self.groups and not self.exhausted:
             try:
                 if self.started:
@@ -233,7 +225,7 @@ class LocalIndex(_InProcess):
         indices = next(self._steps)
         if isinstance(indices, PassDone):
             return indices
-        return Delivered(await _Thread.run(self._fetch, indices))
+        return Delivered(await asyncio.to_thread(self._fetch, indices))
 
     def behind(self) -> str:
         return "the dataset in this process (num_workers=0)"
@@ -266,7 +258,7 @@ async def local_instances(source: Any, kind: Kind, data_path: Any, rank: int = 0
     chunk = 64
     try:
         while True:
-            items = await _Thread.run(lambda: list(itertools.islice(it, chunk)))
+            items = await asyncio.to_thread(lambda: list(itertools.islice(it, chunk)))
             for item in items:
                 yield item
             if len(items) < chunk:
