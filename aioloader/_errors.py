@@ -73,3 +73,12 @@ class SourcePicklingError(pickle.PicklingError, TypeError):
 
 class LoaderBusyError(RuntimeError):
     """The loader is already being iterated: one epoch at a time per loader."""
+
+
+class LoaderClosedError(RuntimeError):
+    """The loader was closed (``close()``/``aclose()`` from another task or thread, or the
+    garbage collector) while this iteration waited for a batch."""
+
+
+class FrameTooLargeError(ValueError):
+    """A message between a worker and the main process exceeds the wire's frame limit."""

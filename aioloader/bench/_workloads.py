@@ -57,6 +57,14 @@ class ImageDataset(_Sized):
         return {"image": _pool("image")[i % POOL], "label": i}
 
 
+class ImageAllocDataset(_Sized):
+    """uint8[3, 224, 224] images, a new tensor per sample (as a decode or an augmentation
+    makes): the allocation a real dataset pays is part of the measurement."""
+
+    def __getitem__(self, i: int) -> Sample:
+        return {"image": _pool("image")[i % POOL].clone(), "label": i}
+
+
 def text_length(i: int) -> int:
     """Token count of sample ``i``: 16..512, deterministic, well spread."""
     return TEXT_MIN + (i * 7919) % (TEXT_MAX - TEXT_MIN + 1)
@@ -109,6 +117,7 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     "tiny": Workload("tiny", TinyDataset, 64, 300),
     "image": Workload("image", ImageDataset, 64, 40),
+    "image-alloc": Workload("image-alloc", ImageAllocDataset, 64, 40),
     "text": Workload("text", TextDataset, 32, 150, aioloader.PadCollate(), torch_pad_collate),
     "cpu": Workload("cpu", CpuDataset, 32, 25),
 }
