@@ -1,131 +1,93 @@
-"""DataLoader: options, validation, epochs, async iteration."""
+"""DataLoader: options, validation, the two faces, and one epoch of iteration."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import random
+import threading
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import torch
 
 from ._device import DeviceLike, as_device, move_to
-from ._distributed import Topology, all_reduce, even_out, shard_indices, topology
-from ._errors import LoaderBusyError, LoaderTimeoutError
+from ._distributed import all_reduce, topology
+from ._errors import LoaderBusyError
 from ._pipeline import BatchOptions
-from ._portal import Portal, run_blocking
-from ._samplers import BatchSampler, derive_seed, num_batches, plan_indices
-from ._sessions import (
+from ._planning import PlanSpec, count_batches, plan_epoch
+from ._producers import (
     CachedInstances,
-    Delivered,
     LocalIndex,
+    LocalInstances,
     LocalStream,
-    PassDone,
-    Session,
     WorkerIndex,
     WorkerInstances,
     WorkerStream,
-    local_instances,
 )
+from ._samplers import BatchSampler, derive_seed
+from ._session import PassDone, Producer, Session
 from ._sources import Kind, classify
 from ._supervisor import GRACE, Supervisor
+from ._sync import Portal, SyncLoader, running_loop
 from ._worker import Plan, WorkerSpec
-
-if TYPE_CHECKING:
-    from ._sync import SyncLoader
 
 START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class _Box:
-    """What the garbage collector's backstop (weakref.finalize) must stop: the live session
-    and the sync adapter's loops."""
+    """What a loader owns that must be stopped when it goes: its session and its portal.
 
-    session: Session | None = None
-    portal: Portal | None = None
+    Kept apart from the loader so that the garbage collector's backstop
+    (``weakref.finalize``) can stop them; it does so only in the process that made them.
+    """
+
+    def __init__(self) -> None:
+        self.session: Session | None = None
+        self.portal = Portal()
+        self.owner_pid = os.getpid()
 
     def kill(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return  # a forked child inherited the loader: nothing here is its own
         session, self.session = self.session, None
         if session is not None:
             session.kill()
-        portal, self.portal = self.portal, None
-        if portal is not None:
-            portal.close()
+        self.portal.close()
 
 
-@dataclass(frozen=True)
-class _Planner:
-    """Which instances form each batch of a pass, decided in the main process.
+# Every pending backstop of this process. A forked child drops them all (register_at_fork
+# below), so that a loader collected there never touches the parent's workers (issue 9).
+_BACKSTOPS: set[weakref.finalize[Any, Any]] = set()
 
-    Kept apart from the loader so that the sessions holding it do not keep the loader alive
-    (the garbage collector's backstop must be able to run).
-    """
 
-    batch_size: int | None
-    drop_last: bool
-    shuffle: bool
-    sampler: Any
-    base_seed: int
-    topo: Topology
-    even_batches: bool
+def _backstop(obj: object, fn: Callable[..., None], *args: Any) -> weakref.finalize[Any, Any]:
+    """``weakref.finalize(obj, fn, *args)``, dropped in forked children."""
+    holder: list[weakref.finalize[Any, Any]] = []
 
-    def passes(self, data: Sequence[Any], first_pass: int,
-               shared: bool) -> Iterator[list[list[int]]]:
-        for pass_no in itertools.count(first_pass):
-            yield self.plan(data, pass_no, shared)
+    def run() -> None:
+        _BACKSTOPS.discard(holder[0])
+        fn(*args)
 
-    def plan(self, data: Sequence[Any], pass_no: int, shared: bool) -> list[list[int]]:
-        """The index batches of pass ``pass_no`` for this rank.
+    finalizer = weakref.finalize(obj, run)
+    holder.append(finalizer)
+    _BACKSTOPS.add(finalizer)
+    return finalizer
 
-        ``shared``: every rank holds the same ``data`` (a map-style dataset), so the ranks
-        split one plan; otherwise ``data`` is this rank's own shard (a cached reader).
-        """
-        sampler, topo = self.sampler, self.topo
-        rng = random.Random(derive_seed(self.base_seed, pass_no))
-        if sampler is None and shared and topo.distributed:
-            assert self.batch_size is not None
-            order = list(range(len(data)))
-            if self.shuffle:
-                rng.shuffle(order)
-            mine = shard_indices(len(data), topo.rank, topo.world_size,
-                                 even=self.even_batches, drop_last=self.drop_last, order=order)
-            batches = [mine[i:i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
-            if self.drop_last and batches and len(batches[-1]) < self.batch_size:
-                batches.pop()
-            return batches
-        if sampler is not None and not isinstance(sampler, BatchSampler):
-            batches = [[int(i) for i in batch] for batch in sampler]
-        else:
-            source: Any = data if sampler is not None else len(data)
-            batches = plan_indices(source, batch_size=self.batch_size,
-                                   drop_last=self.drop_last, shuffle=self.shuffle,
-                                   sampler=sampler, rng=rng)
-        if topo.distributed and shared:
-            total = len(batches)
-            batches = batches[topo.rank::topo.world_size]
-            if self.even_batches:
-                batches = even_out(batches, -(-total // topo.world_size))
-        elif topo.distributed and self.even_batches:
-            batches = even_out(batches, all_reduce(topo, len(batches), "max"))
-        return batches
 
-    def num_batches(self, data: Sequence[Any], shared: bool) -> int:
-        sampler = self.sampler
-        if self.topo.distributed:
-            return len(self.plan(data, 0, shared))
-        if sampler is None:
-            assert self.batch_size is not None
-            return num_batches(len(data), self.batch_size, self.drop_last)
-        if isinstance(sampler, BatchSampler):
-            return sampler.get_num_batches(data)
-        return len(sampler)
+def _drop_backstop(finalizer: weakref.finalize[Any, Any]) -> None:
+    finalizer.detach()
+    _BACKSTOPS.discard(finalizer)
 
-    def seed_for(self, pass_no: int) -> int:
-        return derive_seed(self.base_seed, pass_no, self.topo.rank, 0)
+
+def _forget_backstops_in_child() -> None:
+    for finalizer in list(_BACKSTOPS):
+        finalizer.detach()
+    _BACKSTOPS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_backstops_in_child)
 
 
 class DataLoader:
@@ -162,6 +124,7 @@ class DataLoader:
         timeout: float | None = None,
         prefetch: int = 4,
         even_batches: bool = True,
+        zero_copy: bool = True,
     ) -> None:
         _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
                   batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
@@ -190,6 +153,7 @@ class DataLoader:
         self.timeout = timeout
         self.prefetch = prefetch
         self.even_batches = even_batches
+        self.zero_copy = zero_copy
         self._device = as_device(cuda_device)
         self._topo = topology(even_batches)
         if seed is None:
@@ -200,57 +164,61 @@ class DataLoader:
             batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
             sampler=batch_sampler if isinstance(batch_sampler, BatchSampler) else None,
             chunk_size=max_instances_in_memory)
-        self._planner = _Planner(batch_size, drop_last, shuffle, batch_sampler,
-                                 self._base_seed, self._topo, even_batches)
+        self._plan_spec = PlanSpec(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
+                                   sampler=batch_sampler, seed=self._base_seed,
+                                   rank=self._topo.rank, world_size=self._topo.world_size,
+                                   even_batches=even_batches)
         self._cache: CachedInstances | None = None
-        self._next_pass = 0  # the pass a new session starts with
-        self._restart = False  # set_epoch(): the next epoch starts a new session
+        self._next_pass = 0  # the pass the session's stream is at
+        self._session_pass = 0  # the pass the current session started with
+        self._lock = threading.Lock()
+        self._epoch: weakref.ref[_Epoch] | None = None  # the epoch in progress, if any
         self._box = _Box()
-        self._epoch: object | None = None  # token of the epoch in progress
-        self._running = False  # an epoch is inside session.next() right now
-        self._finalizer = weakref.finalize(self, _Box.kill, self._box)
+        _backstop(self, self._box.kill)
 
     # ------------------------------------------------------------------ public
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return self._iterate(self._device)
+        return _Epoch(self, self._device, private=False)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.sync())
 
     def sync(self, device: DeviceLike | None = None) -> SyncLoader:
         """The synchronous face: ``for batch in loader.sync(device="cuda:0")``."""
-        from ._sync import SyncLoader
-
         target = as_device(device) if device is not None else self._device
-        return SyncLoader(self, target)
+        return SyncLoader(self._box.portal, lambda: _Epoch(self, target, private=True),
+                          self.__len__, target)
 
     def set_target_device(self, device: DeviceLike | None) -> None:
         """Where batches go from now on (``None``: stay on the CPU)."""
         self._device = as_device(device)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next epoch as epoch ``epoch`` (its shuffle and worker seeds)."""
+        """Make the next epoch epoch ``epoch`` (its shuffle and worker seeds).
+
+        Setting the epoch that comes next anyway changes nothing (workers stay); another
+        one restarts the stream there.
+        """
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         self._next_pass = epoch
-        self._restart = True
 
     def __len__(self) -> int:
         if self.batches_per_epoch is not None:
             return self.batches_per_epoch
         if self._kind is Kind.MAP:
-            return self._planner.num_batches(self.reader, shared=True)
+            return count_batches(self._plan_spec, self.reader, shared=True)
         if self.max_instances_in_memory is not None:
             raise TypeError(
                 "a lazy loader (max_instances_in_memory set) does not know its length: pass "
                 "batches_per_epoch, or leave max_instances_in_memory=None to cache the data")
-        if self._cache is None:
-            run_blocking(self._portal(), self._ensure_cache)
-        assert self._cache is not None
-        return self._planner.num_batches(self._cache, shared=False)
+        cache = self._cache
+        if cache is None:
+            cache = self._box.portal.call(self._ensure_cache())
+        return count_batches(self._plan_spec, cache, shared=False)
 
-    async def iter_instances(self) -> AsyncGenerator[Any, None]:
+    async def iter_instances(self) -> AsyncIterator[Any]:
         """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
         if self._kind is Kind.MAP:
             for i in range(len(self.reader)):
@@ -260,42 +228,51 @@ class DataLoader:
             for item in self._cache:
                 yield item
             return
+        keep = self.max_instances_in_memory is None
         items: list[Any] = []
-        async for item in self._read_pass():
-            if self.max_instances_in_memory is None:
-                items.append(item)
-            yield item
-        if self.max_instances_in_memory is None:
+        async for chunk in self._read_pass():
+            if keep:
+                items.extend(chunk)
+            for item in chunk:
+                yield item
+        if keep:
             self._cache = CachedInstances(items)
 
     async def aclose(self) -> None:
-        """Stop the workers; the loader can be iterated again afterwards."""
-        self._epoch = None
-        session, self._box.session = self._box.session, None
-        if session is not None:
+        """Stop the workers; the loader can be iterated again afterwards.
+
+        A consumer waiting for a batch in another task or thread gets
+        :class:`~aioloader.LoaderClosedError`.
+        """
+        session = self._take_session()
+        if session is None:
+            return
+        loop = session.loop
+        if loop is None or loop is running_loop():
             await session.aclose()
-        portal, self._box.portal = self._box.portal, None
-        if portal is not None:
-            portal.close()
+        elif self._box.portal.owns(loop):
+            await asyncio.to_thread(self._box.portal.call, session.aclose())
+        else:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(session.aclose(), loop))
 
     def close(self) -> None:
-        """Blocking version of :meth:`aclose`; also ends the sync adapter's event loops."""
-        self._epoch = None
-        session, self._box.session = self._box.session, None
-        portal, self._box.portal = self._box.portal, None
+        """Blocking :meth:`aclose`, from any thread; also ends the sync adapter's loops."""
+        session = self._take_session()
         if session is not None:
-            if portal is not None and portal.usable_here():
-                portal.call(session.aclose())  # an async reader's pass closes on its loop
+            loop = session.loop
+            if self._box.portal.owns(loop) and loop is not running_loop():
+                self._box.portal.call(session.aclose())
+            elif loop is not None and loop.is_running() and loop is not running_loop():
+                asyncio.run_coroutine_threadsafe(session.aclose(), loop).result()
             else:
                 session.close()
-        if portal is not None:
-            portal.close()
+        self._box.portal.close()
 
-    def _portal(self) -> Portal:
-        """The sync adapter's loops, kept for the loader's lifetime (see Portal)."""
-        if self._box.portal is None:
-            self._box.portal = Portal()
-        return self._box.portal
+    def _take_session(self) -> Session | None:
+        with self._lock:
+            session, self._box.session = self._box.session, None
+            self._epoch = None
+        return session
 
     async def __aenter__(self) -> DataLoader:
         return self
@@ -309,147 +286,73 @@ class DataLoader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ epochs
-
-    async def _iterate(self, device: torch.device | None) -> AsyncGenerator[Any, None]:
-        if self._running:
-            raise LoaderBusyError(
-                "this loader is already being iterated: finish or close that epoch first, "
-                "or make a second DataLoader")
-        token = object()
-        for _ in range(3):  # a loop of `async for` left by `break`: its finalizer is queued
-            if self._epoch is None:
-                break
-            await asyncio.sleep(0)
-        if self._epoch is not None:
-            raise LoaderBusyError(
-                "this loader is already being iterated (an epoch is in progress): finish or "
-                "close that epoch first (`await loader.aclose()`), or make a second DataLoader")
-        self._epoch = token
-        bar = self._bar()
-        finished = False
-        failed = False
-        try:
-            session = await self._session()
-            session.attach()
-            try:
-                produced = 0
-                while self.batches_per_epoch is None or produced < self.batches_per_epoch:
-                    step = await self._step(session)
-                    if self._agree_each_batch() and not await self._all_have(step):
-                        await self._skip_rest_of_pass(session, step)
-                        self._next_pass += 1
-                        break
-                    if isinstance(step, PassDone):
-                        self._next_pass += 1
-                        if self.batches_per_epoch is None or step.empty:
-                            break
-                        continue
-                    produced += 1
-                    bar.update(1)
-                    # Batches that were already waiting would otherwise come back to back
-                    # without the loop running anything else in between.
-                    await asyncio.sleep(0)
-                    batch = step.value if device is None else move_to(step.value, device)
-                    yield batch
-                    if self._epoch is not token:
-                        raise LoaderBusyError("this epoch was stopped by loader.aclose()/close()")
-                finished = True
-            except Exception:
-                failed = True
-                raise
-            finally:
-                if self._epoch is token:
-                    session.detach()
-        finally:
-            bar.close()
-            if self._epoch is token:
-                self._epoch = None
-                if not finished:  # break, cancellation, an error: this epoch's workers go
-                    # After an error nobody waits for the workers' last words: no grace.
-                    await self._drop_session(grace=0.0 if failed else GRACE)
-
-    async def _step(self, session: Session) -> Delivered | PassDone:
-        self._running = True
-        try:
-            if self.timeout is None:
-                return await session.next()
-            try:
-                return await asyncio.wait_for(session.next(), self.timeout)
-            except TimeoutError as exc:
-                raise LoaderTimeoutError(
-                    f"no batch within timeout={self.timeout}s; still waiting for "
-                    f"{session.behind()}. Raise timeout= if the reader is just slow.") from exc
-        finally:
-            self._running = False
-
-    def _agree_each_batch(self) -> bool:
-        """Streams have no length: with even_batches, ranks agree batch by batch."""
-        return (self._topo.distributed and self.even_batches and self.batches_per_epoch is None
-                and self._kind is not Kind.MAP and self.max_instances_in_memory is not None)
-
-    async def _all_have(self, step: Delivered | PassDone) -> bool:
-        have = 1 if isinstance(step, Delivered) else 0
-        loop = asyncio.get_running_loop()
-        return bool(await loop.run_in_executor(None, all_reduce, self._topo, have, "min"))
-
-    async def _skip_rest_of_pass(self, session: Session, step: Delivered | PassDone) -> None:
-        while not isinstance(step, PassDone):
-            step = await self._step(session)
-
-    def _bar(self) -> Any:
-        from tqdm.auto import tqdm
-
-        total = self.batches_per_epoch
-        if total is None and (self._kind is Kind.MAP or self._cache is not None):
-            total = len(self)
-        return tqdm(total=total, disable=self.quiet, desc="batches", unit="batch",
-                    dynamic_ncols=True)
-
-    async def _drop_session(self, grace: float = GRACE) -> None:
-        session, self._box.session = self._box.session, None
-        if session is not None:
-            await session.aclose(grace)
+    # ------------------------------------------------------------------ sessions
 
     async def _session(self) -> Session:
-        if self._restart:
-            self._restart = False
-            await self._drop_session()
-        if self._box.session is None:
-            self._box.session = await self._open_session(self._next_pass)
-        return self._box.session
+        """The session for the next epoch, started; a new one when the pass moved."""
+        session = self._box.session
+        if session is not None and (session.closed or self._session_pass != self._next_pass):
+            await self._drop_session(session)
+            session = None
+        if session is None:
+            session = Session(await self._producer(self._next_pass))
+            self._box.session = session
+            self._session_pass = self._next_pass
+            await session.start()
+        return session
 
-    async def _open_session(self, first_pass: int) -> Session:
-        data: Any
-        if self._kind is Kind.MAP:
-            data = self.reader
-        elif self.max_instances_in_memory is None:
-            data = await self._ensure_cache()
-        else:
+    async def _drop_session(self, session: Session, grace: float = GRACE) -> None:
+        with self._lock:
+            if self._box.session is session:
+                self._box.session = None
+        await session.aclose(grace)
+
+    async def _producer(self, first_pass: int) -> Producer:
+        if self._kind is not Kind.MAP and self.max_instances_in_memory is not None:
             if self.num_workers == 0:
                 return LocalStream(self.reader, self._kind, self.data_path, self._options,
-                                   self.collate_fn, self._planner.seed_for, first_pass,
+                                   self.collate_fn, self._stream_seed, first_pass,
                                    self._topo.rank, self._topo.world_size)
-            sup = Supervisor(self._spec("stream", self.reader, self._kind, first_pass),
-                             self.num_workers, self.start_method)
-            await sup.start()
-            return WorkerStream(sup)
-        passes = self._planner.passes(data, first_pass, shared=self._kind is Kind.MAP)
+            return WorkerStream(self._supervisor("stream", self.reader, self._kind, first_pass))
+        if self._kind is Kind.MAP:
+            data: Any = self.reader
+            plan = self._map_plan()
+        else:
+            data = await self._ensure_cache()
+            plan = self._cached_plan(data)
         if self.num_workers == 0:
-            return LocalIndex(data, passes, self.collate_fn)
-        sup = Supervisor(self._spec("index", data, Kind.MAP, first_pass),
-                         self.num_workers, self.start_method)
-        await sup.start()
-        return WorkerIndex(sup, passes, self.prefetch)
+            return LocalIndex(data, plan, first_pass, self.collate_fn,
+                              inline=self.timeout is None)
+        sup = self._supervisor("index", data, Kind.MAP, first_pass)
+        return WorkerIndex(sup, plan, first_pass, self.prefetch)
 
-    def _spec(self, plan: Plan, source: Any, kind: Kind, first_pass: int) -> WorkerSpec:
-        rank, world_size = self._topo.rank, self._topo.world_size
-        return WorkerSpec(
+    def _map_plan(self) -> Plan:
+        spec, data = self._plan_spec, self.reader
+        return lambda pass_no: plan_epoch(spec, data, pass_no, shared=True)
+
+    def _cached_plan(self, data: CachedInstances) -> Plan:
+        spec, topo = self._plan_spec, self._topo
+        if not (topo.distributed and self.even_batches):
+            return lambda pass_no: plan_epoch(spec, data, pass_no, shared=False)
+
+        def agreed(pass_no: int) -> list[list[int]]:  # in a thread: ranks agree once a pass
+            target = all_reduce(topo, count_batches(spec, data, shared=False), "max")
+            return plan_epoch(spec, data, pass_no, shared=False, target_batches=target)
+
+        return agreed
+
+    def _stream_seed(self, pass_no: int) -> int:
+        return derive_seed(self._base_seed, pass_no, self._topo.rank, 0)
+
+    def _supervisor(self, plan: Any, source: Any, kind: Kind, first_pass: int) -> Supervisor:
+        spec = WorkerSpec(
             source=source, kind=kind, data_path=self.data_path, plan=plan,
             options=self._options, collate_fn=self.collate_fn, worker_id=0,
-            num_workers=self.num_workers, rank=rank, world_size=world_size,
-            seed=self._base_seed, first_pass=first_pass, slots=self.prefetch,
+            num_workers=self.num_workers, rank=self._topo.rank,
+            world_size=self._topo.world_size, seed=self._base_seed, first_pass=first_pass,
+            slots=self.prefetch,
             parent_pid=os.getpid() if self.start_method != "forkserver" else 0)
+        return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
 
     # ------------------------------------------------------------------ reading
 
@@ -459,51 +362,179 @@ class DataLoader:
 
             items: list[Any] = []
             with tqdm(disable=self.quiet, desc="loading instances", unit="instance") as bar:
-                async for item in self._read_pass():
-                    items.append(item)
-                    bar.update(1)
+                async for chunk in self._read_pass():
+                    items.extend(chunk)
+                    bar.update(len(chunk))
             self._cache = CachedInstances(items)
         return self._cache
 
-    async def _read_pass(self) -> AsyncGenerator[Any, None]:
-        """One pass of instances: in this process, or through workers (sharded)."""
+    async def _read_pass(self) -> AsyncIterator[list[Any]]:
+        """One pass of instances, in chunks: in this process, or through workers (sharded)."""
+        producer: Producer
         if self.num_workers == 0:
-            stream = local_instances(self.reader, self._kind, self.data_path, self._topo.rank,
-                                     self._topo.world_size)
-            try:
-                while True:
-                    try:
-                        item = await self._within_timeout(stream.__anext__(),
-                                                      lambda: "the reader in this process")
-                    except StopAsyncIteration:
-                        return
-                    yield item
-            finally:
-                await stream.aclose()
-        sup = Supervisor(self._spec("instances", self.reader, self._kind, self._next_pass),
-                         self.num_workers, self.start_method)
+            producer = LocalInstances(self.reader, self._kind, self.data_path,
+                                      self._topo.rank, self._topo.world_size)
+        else:
+            producer = WorkerInstances(
+                self._supervisor("instances", self.reader, self._kind, self._next_pass))
+        session = Session(producer)
         try:
-            await sup.start()
-            sup.attach()
-            it = WorkerInstances(sup)
+            await session.start()
+            session.attach()
             while True:
-                try:
-                    item = await self._within_timeout(it.__anext__(), it.behind)
-                except StopAsyncIteration:
+                step = await session.next(self.timeout)
+                if isinstance(step, PassDone):
                     return
-                yield item
+                yield step.value
         finally:
-            await sup.aclose()
+            await session.aclose()
 
-    async def _within_timeout(self, awaitable: Any, behind: Callable[[], str]) -> Any:
-        if self.timeout is None:
-            return await awaitable
+
+class _Epoch:
+    """One epoch of iteration: an async iterator, deliberately not an async generator.
+
+    Dropping it half-way (``break``, ``next(iter(loader))``) is seen at once through a weak
+    reference, so the next epoch never waits for the loop to finalize a generator; its
+    workers are stopped by the next epoch, a close, or the loader's backstop.
+    """
+
+    def __init__(self, loader: DataLoader, device: torch.device | None, *,
+                 private: bool) -> None:
+        self._loader = loader
+        self._device = device
+        self._private = private  # driven by the sync adapter's own loop
+        self._session: Session | None = None
+        self._produced = 0
+        self._done = False
+        self._bar: Any = None
+        self._backstop: weakref.finalize[Any, Any] | None = None
+
+    def __aiter__(self) -> _Epoch:
+        return self
+
+    async def _begin(self) -> Session:
+        loader = self._loader
+        with loader._lock:
+            current = loader._epoch() if loader._epoch is not None else None
+            if current is not None and current is not self:
+                raise LoaderBusyError(
+                    "this loader is already being iterated: finish or close that epoch "
+                    "first (`await loader.aclose()`), or make a second DataLoader")
+            dropped = loader._epoch is not None  # an earlier epoch was dropped half-way
+            loader._epoch = weakref.ref(self)
+        if dropped and loader._box.session is not None:
+            await loader._drop_session(loader._box.session)
+        session = await loader._session()
+        session.attach(private=self._private)
+        self._session = session
+        self._backstop = _backstop(self, _close_dropped, weakref.ref(loader), session)
+        self._bar = _bar(loader)
+        return session
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        loader = self._loader
         try:
-            return await asyncio.wait_for(awaitable, self.timeout)
-        except TimeoutError as exc:
-            raise LoaderTimeoutError(
-                f"no instance within timeout={self.timeout}s; still waiting for {behind()}. "
-                "Raise timeout= if the reader is just slow.") from exc
+            session = self._session or await self._begin()
+            while True:
+                if loader.batches_per_epoch is not None and (
+                        self._produced >= loader.batches_per_epoch):
+                    break
+                step = await session.next(loader.timeout)
+                if _agree_each_batch(loader) and not await _all_have(loader, step):
+                    while not isinstance(step, PassDone):  # the others are done: skip ours
+                        step = await session.next(loader.timeout)
+                    loader._next_pass += 1
+                    loader._session_pass += 1
+                    break
+                if isinstance(step, PassDone):
+                    loader._next_pass += 1
+                    loader._session_pass += 1
+                    if loader.batches_per_epoch is None or step.empty:
+                        break
+                    continue
+                self._produced += 1
+                self._bar.update(1)
+                if not self._private:
+                    # Batches that were already waiting would otherwise come back to back
+                    # without the loop running anything else in between.
+                    await asyncio.sleep(0)
+                return step.value if self._device is None else move_to(step.value,
+                                                                       self._device)
+        except BaseException as exc:
+            # After an error nobody waits for the workers' last words: no grace.
+            await self._finish(stop=True, grace=0.0 if isinstance(exc, Exception) else GRACE)
+            raise
+        await self._finish(stop=False)
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop a half-consumed epoch and its workers (the loader can be iterated again)."""
+        if not self._done:
+            await self._finish(stop=self._session is not None)
+
+    async def _finish(self, *, stop: bool, grace: float = GRACE) -> None:
+        self._done = True
+        if self._backstop is not None:
+            _drop_backstop(self._backstop)
+        if self._bar is not None:
+            self._bar.close()
+        loader, session = self._loader, self._session
+        with loader._lock:
+            if loader._epoch is not None and loader._epoch() is self:
+                loader._epoch = None
+        if session is None:
+            return
+        if stop:
+            await loader._drop_session(session, grace)
+        elif not session.closed:
+            session.detach()
+
+
+_CLOSING: set[asyncio.Task[None]] = set()  # closes of dropped epochs, until they are done
+
+
+def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> None:
+    """An epoch was dropped half-way: stop its workers on its loop, if that loop runs.
+
+    Otherwise (the sync adapter's loop between two calls) the next epoch, a close or the
+    loader's backstop does it.
+    """
+    loop = session.loop
+    if os.getpid() != session.owner_pid or loop is None or not loop.is_running():
+        return
+
+    def spawn() -> None:
+        loader = loader_ref()
+        closing = loader._drop_session(session) if loader is not None else session.aclose()
+        task = loop.create_task(closing)
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
+    loop.call_soon_threadsafe(spawn)
+
+
+def _bar(loader: DataLoader) -> Any:
+    from tqdm.auto import tqdm
+
+    total = loader.batches_per_epoch
+    if total is None and (loader._kind is Kind.MAP or loader._cache is not None):
+        total = len(loader)
+    return tqdm(total=total, disable=loader.quiet, desc="batches", unit="batch",
+                dynamic_ncols=True)
+
+
+def _agree_each_batch(loader: DataLoader) -> bool:
+    """Streams have no length: with even_batches, ranks agree batch by batch."""
+    return (loader._topo.distributed and loader.even_batches
+            and loader.batches_per_epoch is None and loader._kind is not Kind.MAP
+            and loader.max_instances_in_memory is not None)
+
+
+async def _all_have(loader: DataLoader, step: Any) -> bool:
+    have = 0 if isinstance(step, PassDone) else 1
+    return bool(await asyncio.to_thread(all_reduce, loader._topo, have, "min"))
 
 
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,
@@ -539,4 +570,3 @@ def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_s
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch.utils.data
@@ -130,9 +130,19 @@ async def as_async(stream: Iterable[Any]) -> AsyncIterator[Any]:
         yield item
 
 
-def fetch(dataset: Any, indices: Sequence[int]) -> list[Any]:
-    """The samples at ``indices``, in bulk when the dataset supports ``__getitems__``."""
+def fetch(dataset: Any, indices: Sequence[int],
+          each: Callable[[], None] | None = None) -> list[Any]:
+    """The samples at ``indices``, in bulk when the dataset supports ``__getitems__``.
+
+    ``each()`` runs after every sample fetched one by one (progress, for the timeout).
+    """
     getitems = getattr(dataset, "__getitems__", None)
     if getitems is not None:
         return list(getitems(list(indices)))
-    return [dataset[i] for i in indices]
+    if each is None:
+        return [dataset[i] for i in indices]
+    out = []
+    for i in indices:
+        out.append(dataset[i])
+        each()
+    return out

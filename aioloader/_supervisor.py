@@ -2,9 +2,13 @@
 
 The parent side of every worker is one non-blocking socket whose fd the running event loop
 watches with ``add_reader``, plus the process sentinel, watched the same way, so that a
-worker that dies without a word is noticed at once. No threads, no polling: the loop wakes
-on bytes, on EOF and on process exit. Readers are attached only while an epoch runs, so a
-session can outlive one event loop and serve the next (the sync adapter runs its own).
+worker that dies without a word is noticed at once. No polling: the loop wakes on bytes, on
+EOF and on process exit. Readers are attached only while an epoch runs, so a session can
+outlive one event loop and serve the next.
+
+The supervisor turns wire messages into what sessions want (:class:`Delivered` values and
+:class:`Ended` passes) through each worker's :class:`~aioloader._dataplane.SlotLedger`; it
+has no batch logic of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import os
 import pickle
 import socket
@@ -26,9 +29,8 @@ from typing import Any
 import torch.multiprocessing
 
 from . import _wire as wire
-from ._arena import ArenaMap, Lease
-from ._codec import copied_from, decode
-from ._errors import SourcePicklingError, WorkerDied, WorkerError
+from ._dataplane import SlotLedger
+from ._errors import LoaderClosedError, SourcePicklingError, WorkerDied, WorkerError
 from ._worker import WorkerSpec, worker_main
 
 # Processes are started from one long-lived thread: starting can block (spawn writes the
@@ -50,9 +52,25 @@ def _close_parent_fds_in_child() -> None:
 
 os.register_at_fork(after_in_child=_close_parent_fds_in_child)
 
-COPY_IN_THREAD_BYTES = 1 << 20
-LEASE_MIN_BYTES = 256 << 10  # below, a copy costs less than a lease's bookkeeping
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A batch (or a chunk of instances), the consumer's own; ``seq`` as the worker sent it."""
+
+    value: Any
+    seq: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The worker finished pass ``pass_no`` of its shard."""
+
+    pass_no: int
+
+
+Arrival = Delivered | Ended
 
 
 @dataclass(eq=False)
@@ -62,19 +80,17 @@ class WorkerState:
     id: int
     process: BaseProcess
     sock: socket.socket
+    ledger: SlotLedger
     frames: wire.FrameReader = field(default_factory=wire.FrameReader)
-    inbox: collections.deque[wire.Message] = field(default_factory=collections.deque)
+    inbox: collections.deque[wire.Batch | wire.PassEnd] = field(
+        default_factory=collections.deque)
     fds: collections.deque[int] = field(default_factory=collections.deque)
-    arenas: dict[int, ArenaMap] = field(default_factory=dict)  # by generation
-    generation: int = -1  # the newest
-    unreleased: collections.Counter[int] = field(default_factory=collections.Counter)
     outbox: bytearray = field(default_factory=bytearray)
+    starting: concurrent.futures.Future[None] | None = None
     eof: bool = False
     exited: bool = False
     started: bool = False
     reaped: bool = False
-    leased: int = 0  # slots whose batch the consumer still holds
-    returned: collections.deque[int] = field(default_factory=collections.deque)  # any thread
 
     @property
     def pid(self) -> int | None:
@@ -84,13 +100,16 @@ class WorkerState:
 class Supervisor:
     """Starts ``num_workers`` processes for ``spec`` and moves messages to and from them."""
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str) -> None:
+    def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
+                 lease: bool = True) -> None:
         self.spec = spec
         self.num_workers = num_workers
         self.start_method = start_method
+        self.lease = lease
         self.workers: list[WorkerState] = []
-        self.failure: WorkerError | None = None
+        self.failure: BaseException | None = None
         self.closed = False
+        self.last_heard = time.monotonic()  # any word from any worker: the timeout's clock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._reaping = threading.Lock()
@@ -116,28 +135,34 @@ class Supervisor:
                 ) from exc
 
     async def start(self) -> None:
+        """Start every worker; cancellation-safe.
+
+        Each worker is registered before its process is submitted for starting, and the
+        start itself runs to its end in the starter thread whatever happens here, so
+        reaping (which waits for pending starts) always sees every process.
+        """
         self.check_picklable()
         ctx: Any = torch.multiprocessing.get_context(self.start_method)
         if self.start_method == "forkserver":
             # The server imports torch and aioloader once; each worker forks from it warm.
             ctx.set_forkserver_preload(["aioloader._worker"])
-        loop = asyncio.get_running_loop()
+        for k in range(self.num_workers):
+            parent, child = socket.socketpair()
+            _PARENT_FDS.add(parent.fileno())
+            parent.setblocking(False)
+            proc = ctx.Process(target=worker_main, args=(self.spec.for_worker(k), child),
+                               daemon=True, name=f"aioloader-worker-{k}")
+            w = WorkerState(k, proc, parent, SlotLedger(
+                self.spec.slots, lambda slot, k=k: self._send(k, wire.Release(slot)),
+                lease=self.lease))
+            self.workers.append(w)
+            w.starting = _STARTER.submit(_start_process, w, child)
         try:
-            for k in range(self.num_workers):
-                parent, child = socket.socketpair()
-                _PARENT_FDS.add(parent.fileno())
-                proc = ctx.Process(target=worker_main, args=(self.spec.for_worker(k), child),
-                                   daemon=True, name=f"aioloader-worker-{k}")
-                self.workers.append(WorkerState(k, proc, parent))
-                state = self.workers[-1]
-                try:
-                    await loop.run_in_executor(_STARTER, proc.start)
-                    state.started = True
-                finally:
-                    child.close()
-                parent.setblocking(False)
+            for w in self.workers:
+                assert w.starting is not None
+                await asyncio.wrap_future(w.starting)
         except BaseException:
-            await self.aclose()
+            await self.aclose(0.0)
             raise
 
     # ------------------------------------------------------------------ watch
@@ -168,9 +193,25 @@ class Supervisor:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+
     def _on_readable(self, w: WorkerState) -> None:
-        self._drain(w)
+        # A loop callback's exception would only be logged by asyncio while the consumer
+        # waits forever: everything becomes the session's failure instead.
+        try:
+            self._drain(w)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, see above
+            self._fail(WorkerError(
+                f"reading from worker {w.id} (pid {w.pid}) failed: {exc!r}",
+                worker_id=w.id, pid=w.pid))
+            self._fail_cause(exc)
         self._wake()
+
+    def _fail_cause(self, exc: BaseException) -> None:
+        if self.failure is not None and self.failure.__cause__ is None:
+            self.failure.__cause__ = exc
 
     def _drain(self, w: WorkerState) -> None:
         while not w.eof:
@@ -186,99 +227,71 @@ class Supervisor:
                 if self._loop is not None:
                     self._loop.remove_reader(w.sock.fileno())
                 return
+            self.last_heard = time.monotonic()
             for msg in w.frames.feed(data):
                 self._accept(w, msg)
 
     def _accept(self, w: WorkerState, msg: wire.Message) -> None:
-        if isinstance(msg, wire.Arena):
+        if isinstance(msg, (wire.Batch, wire.PassEnd)):
+            w.ledger.published(msg.slot)
+            w.inbox.append(msg)
+        elif isinstance(msg, wire.Arena):
             fd = w.fds.popleft()
             try:
-                w.generation += 1
-                w.arenas[w.generation] = ArenaMap(fd, msg.slots, msg.slot_size)
+                w.ledger.add_arena(fd, msg.slots, msg.slot_size)
             finally:
                 os.close(fd)
-            self._retire(w, w.generation - 1)
         elif isinstance(msg, wire.Failed):
-            if self.failure is None:
-                self.failure = _worker_error(w, msg)
-        else:
-            if isinstance(msg, (wire.Batch, wire.PassEnd)):
-                w.unreleased[msg.slot // self.spec.slots] += 1
-            w.inbox.append(msg)
-
-    def release(self, worker_id: int, slot: int) -> None:
-        """Give ``slot`` back to its worker; unmap a retired arena once nothing is in it."""
-        w = self.workers[worker_id]
-        generation = slot // self.spec.slots
-        w.unreleased[generation] -= 1
-        self.send(worker_id, wire.Release(slot))
-        self._retire(w, generation)
-
-    def _retire(self, w: WorkerState, generation: int) -> None:
-        if generation < w.generation and w.unreleased[generation] <= 0:
-            arena = w.arenas.pop(generation, None)
-            if arena is not None:
-                arena.close()
+            self._fail(_worker_error(w, msg))
+        # wire.Progress: hearing it (last_heard) is all it is for
 
     def _on_exit(self, w: WorkerState) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(w.process.sentinel)
-        w.exited = True
-        self._drain(w)  # a Failed message sent just before exiting comes first
-        if self.failure is None and not self.closed:
-            w.process.join(GRACE)
-            self.failure = WorkerDied(w.id, w.pid, w.process.exitcode)
+        try:
+            assert self._loop is not None
+            self._loop.remove_reader(w.process.sentinel)
+            w.exited = True
+            self._drain(w)  # a Failed message sent just before exiting comes first
+            if self.failure is None and not self.closed:
+                w.process.join(GRACE)
+                self._fail(WorkerDied(w.id, w.pid, w.process.exitcode))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, see _on_readable
+            self._fail(WorkerDied(w.id, w.pid, w.process.exitcode))
+            self._fail_cause(exc)
         self._wake()
 
-    async def receive(self, worker_id: int) -> wire.Message:
-        """The next message of worker ``worker_id``; raises the session's first failure."""
+    async def receive(self, worker_id: int, *, lease: bool = True) -> Arrival:
+        """The next batch or pass end of worker ``worker_id``.
+
+        Raises the session's first failure, or :class:`LoaderClosedError` once closed.
+        """
         w = self.workers[worker_id]
-        self._take_back_leases()
         while True:
             if self.failure is not None:
                 raise self.failure
+            if self.closed:
+                raise LoaderClosedError("the loader was closed")
             if w.inbox:
-                return w.inbox.popleft()
+                msg = w.inbox.popleft()
+                if isinstance(msg, wire.PassEnd):
+                    w.ledger.skip(msg.slot)
+                    return Ended(msg.pass_no)
+                value = await w.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
+                return Delivered(value, msg.seq)
             assert self._loop is not None, "receive() outside an attached epoch"
+            w.ledger.reclaim()
             self._waiter = self._loop.create_future()
-            await self._waiter
-
-    async def take(self, worker_id: int, msg: wire.Batch, *, lease: bool = True) -> Any:
-        """The batch in ``msg``, the consumer's own: leased, or copied out of its slot.
-
-        A large batch is leased: its tensors are views of the slot, which goes back to the
-        worker once they are garbage-collected, so nothing is copied. A worker always keeps
-        one slot that is not leased, so a consumer that hoards batches slows the loader
-        down to copying (each slot back at once) but never stalls it. A small batch, or one
-        past that limit, is copied; a large copy runs in a thread (``copy_`` releases the
-        GIL), so that the loop keeps running meanwhile. ``lease=False`` always copies (for
-        what is kept for long, like a cache of instances).
-        """
-        w = self.workers[worker_id]
-        self._take_back_leases()
-        arena = w.arenas.get(msg.slot // self.spec.slots)
-        if lease and msg.nbytes >= LEASE_MIN_BYTES and w.leased < self.spec.slots - 1 and arena:
-            w.leased += 1
-            views = Lease(arena, msg.slot, functools.partial(w.returned.append, msg.slot))
-            return decode(msg.tree, views.view)
-        try:
-            if msg.nbytes >= COPY_IN_THREAD_BYTES:
-                return await asyncio.to_thread(decode, msg.tree, copied_from(arena))
-            return decode(msg.tree, copied_from(arena))
-        finally:
-            self.release(worker_id, msg.slot)
-
-    def _take_back_leases(self) -> None:
-        """Give the workers back the slots whose leased batches were garbage-collected."""
-        for w in self.workers:
-            while w.returned:
-                slot = w.returned.popleft()
-                w.leased -= 1
-                self.release(w.id, slot)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     # ------------------------------------------------------------------ send
 
-    def send(self, worker_id: int, msg: wire.Message) -> None:
+    def request(self, worker_id: int, seq: int, indices: list[int]) -> None:
+        """Ask worker ``worker_id`` for the batch of ``indices``, numbered ``seq``."""
+        self._send(worker_id, wire.Task(seq, indices))
+
+    def _send(self, worker_id: int, msg: wire.Message) -> None:
         w = self.workers[worker_id]
         if w.eof or self.closed:
             return
@@ -335,11 +348,6 @@ class Supervisor:
         if self._begin_close():
             self._reap(grace)
 
-    def kill(self) -> None:
-        """The garbage collector's backstop: no grace, no waiting beyond the reaping."""
-        if self._begin_close():
-            self._reap(0.0)
-
     def _begin_close(self) -> bool:
         if self.closed:
             return False
@@ -350,6 +358,7 @@ class Supervisor:
             w.sock.close()  # EOF: the worker's signal to stop
             while w.fds:
                 os.close(w.fds.popleft())
+        self._wake()
         return True
 
     def _reap(self, grace: float) -> None:
@@ -357,6 +366,8 @@ class Supervisor:
             self._reap_locked(grace)
 
     def _reap_locked(self, grace: float) -> None:
+        pending = [w.starting for w in self.workers if w.starting is not None]
+        concurrent.futures.wait(pending)  # a start in flight finishes, then is reaped
         deadline = time.monotonic() + grace
         started = [w for w in self.workers if w.started and not w.reaped]
         for w in started:
@@ -375,9 +386,16 @@ class Supervisor:
             w.process.close()
             w.reaped = True
         for w in self.workers:
-            for arena in w.arenas.values():
-                arena.close()  # leased views keep their mapping: it goes with the last one
-            w.arenas.clear()
+            w.ledger.close()
+
+
+def _start_process(w: WorkerState, child: socket.socket) -> None:
+    """In the starter thread: start ``w``'s process, then drop the child's end."""
+    try:
+        w.process.start()
+        w.started = True
+    finally:
+        child.close()
 
 
 def _worker_error(w: WorkerState, msg: wire.Failed) -> WorkerError:

@@ -1,14 +1,159 @@
-"""The sync adapter: drives the async loader from plain code; it adds nothing of its own."""
+"""The sync adapter: drives the async loader from plain code; it adds nothing of its own.
+
+:class:`Portal` owns one event loop for the loader's lifetime. In a plain script the loop
+runs in the caller's thread, one ``run_until_complete`` per batch (no ``asyncio.Runner``
+per call: its SIGINT handling costs milliseconds a batch, see issue 9). Where the caller's
+thread already runs a loop (Jupyter, an async framework) the portal's loop runs in a thread
+of its own. Keeping the loop lets a pass that spans sync epochs keep what its reader bound
+to it (aiofiles files, for one).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from ._loader import DataLoader
+from ._loops import loop_factory
+
+T = TypeVar("T")
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class Portal:
+    """Runs coroutines to completion for synchronous callers, on a loop kept between calls.
+
+    One thread drives the loop at a time. A thread that wants a coroutine run while another
+    drives (``close()`` from a watchdog thread while the main thread waits for a batch)
+    hands it to the driver, which runs it before it lets go of the loop.
+    """
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None  # driven by callers' threads
+        self._thread_loop: asyncio.AbstractEventLoop | None = None  # for callers with a loop
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._driver: int | None = None
+        self._handed: list[concurrent.futures.Future[Any]] = []
+
+    def owns(self, loop: asyncio.AbstractEventLoop | None) -> bool:
+        return loop is not None and loop in (self.loop, self._thread_loop)
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` and return its result, from any thread."""
+        here = running_loop()
+        if here is not None:
+            if here is self.loop:
+                coro.close()
+                raise RuntimeError("the sync adapter cannot be re-entered from its own loop")
+            return self._call_in_thread(coro)
+        with self._cond:
+            if self._driver is not None and self.loop is not None:
+                handed = asyncio.run_coroutine_threadsafe(coro, self.loop)
+                self._handed.append(handed)
+            else:
+                handed = None
+                self._driver = threading.get_ident()
+        if handed is not None:
+            return handed.result()
+        try:
+            return self._drive(coro)
+        finally:
+            self._let_go()
+
+    def _drive(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.loop is None:
+            self.loop = loop_factory()()
+        loop = self.loop
+        task = loop.create_task(coro)
+        try:
+            return loop.run_until_complete(task)
+        except BaseException:
+            # Ctrl-C (or any exception raised from the loop itself) left the step running:
+            # cancel it and let it unwind (its epoch stops its workers), then go on.
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(task)
+            raise
+
+    def _let_go(self) -> None:
+        """Run what other threads handed over while we drove, then release the loop."""
+        while True:
+            with self._cond:
+                handed, self._handed = self._handed, []
+                if not handed:
+                    self._driver = None
+                    self._cond.notify_all()
+                    return
+            assert self.loop is not None
+            for fut in handed:
+                with contextlib.suppress(BaseException):  # the caller gets it from fut
+                    self.loop.run_until_complete(asyncio.wrap_future(fut, loop=self.loop))
+
+    def _call_in_thread(self, coro: Coroutine[Any, Any, T]) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._ensure_thread_loop())
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()  # e.g. KeyboardInterrupt here: stop the coroutine there, then go on
+            concurrent.futures.wait([fut])
+            raise
+
+    def _ensure_thread_loop(self) -> asyncio.AbstractEventLoop:
+        with self._cond:
+            if self._thread_loop is None:
+                loop = loop_factory()()
+                ready = threading.Event()
+
+                def serve() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                self._thread = threading.Thread(target=serve, name="aioloader-portal",
+                                                daemon=True)
+                self._thread.start()
+                ready.wait()
+                self._thread_loop = loop
+            return self._thread_loop
+
+    def close(self) -> None:
+        """Close both loops. Safe from any thread, and from the garbage collector."""
+        with self._cond:
+            loop = None
+            if self._driver is None:  # a driver keeps its loop; the GC closes it later
+                loop, self.loop = self.loop, None
+            tloop, self._thread_loop = self._thread_loop, None
+            thread, self._thread = self._thread, None
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+        if tloop is not None and thread is not None:
+            if thread is threading.current_thread():
+                tloop.call_soon(tloop.stop)
+                return
+
+            async def shutdown() -> None:
+                await tloop.shutdown_asyncgens()
+
+            with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):
+                asyncio.run_coroutine_threadsafe(shutdown(), tloop).result()
+            tloop.call_soon_threadsafe(tloop.stop)
+            thread.join()
+            tloop.close()
 
 
 class SyncLoader:
@@ -21,26 +166,34 @@ class SyncLoader:
         [[1, 2], [3]]
     """
 
-    def __init__(self, loader: DataLoader, device: torch.device | None) -> None:
-        self.loader = loader
+    def __init__(self, portal: Portal, epoch: Callable[[], AsyncIterator[Any]],
+                 length: Callable[[], int], device: torch.device | None) -> None:
+        self._portal = portal
+        self._epoch = epoch
+        self._length = length
         self.device = device
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return self._length()
 
     def __iter__(self) -> Iterator[Any]:
-        call = self.loader._portal().call
-        epoch = self.loader._iterate(self.device)
+        portal = self._portal
+        epoch = self._epoch()
         try:
             while True:
                 try:
-                    batch = call(_anext(epoch))
+                    batch = portal.call(_anext(epoch))
                 except StopAsyncIteration:
                     return
                 yield batch
         finally:
-            call(epoch.aclose())
+            if running_loop() is not portal.loop:  # not from inside a step (a GC there)
+                portal.call(_aclose(epoch))
 
 
 async def _anext(it: AsyncIterator[Any]) -> Any:
     return await it.__anext__()
+
+
+async def _aclose(it: Any) -> None:
+    await it.aclose()

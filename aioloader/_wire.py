@@ -27,6 +27,7 @@ class Tag(enum.IntEnum):
     PASS_END = 11
     FAILED = 12
     ARENA = 13
+    PROGRESS = 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +95,17 @@ class Arena:
     slot_size: int
 
 
-Message = Release | Task | Batch | PassEnd | Failed | Arena
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The worker is still reading (instances arrive, no batch is full yet): the parent's
+    timeout measures silence, and this is not silence."""
+
+    TAG: ClassVar[Tag] = Tag.PROGRESS
+
+
+Message = Release | Task | Batch | PassEnd | Failed | Arena | Progress
 _TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (Release, Task, Batch, PassEnd,
-                                                         Failed, Arena)}
+                                                         Failed, Arena, Progress)}
 
 
 def encode(msg: Message) -> bytes:

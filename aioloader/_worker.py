@@ -19,6 +19,7 @@ import random
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -27,9 +28,10 @@ from typing import Any, Literal
 import torch
 
 from . import _wire as wire
-from ._arena import ArenaMap, SlotFull, SlotWriter, create_file, round_slot_size
+from ._arena import ArenaMap, SlotFull, SlotWriter
 from ._codec import encode, tensors_nbytes
 from ._collate import use_allocator
+from ._dataplane import SlotPool
 from ._info import WorkerInfo, set_worker_info
 from ._pipeline import BatchOptions, PassBatcher, async_batches, collate_with
 from ._samplers import derive_seed
@@ -37,6 +39,8 @@ from ._sources import Kind, as_async, fetch, is_async, open_shard
 
 Plan = Literal["stream", "instances", "index"]
 INSTANCE_CHUNK = 64  # instances per message when instances themselves are sent
+PROGRESS_EVERY = 0.1  # seconds of reading without a message before a Progress is sent
+_PROGRESS_FRAME = wire.encode(wire.Progress())
 
 
 @dataclass(frozen=True)
@@ -108,17 +112,17 @@ class _Channel:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.frames = wire.FrameReader()
-        self.free: collections.deque[int] = collections.deque(range(spec.slots))
-        self.generation = 0  # of the arena; slot ids of generation g: g * slots + k
+        self.pool = SlotPool(spec.slots, f"aioloader-w{spec.worker_id}")
         self.tasks: collections.deque[wire.Task] = collections.deque()
         self.eof = False
-        self.arena: ArenaMap | None = None
+        self.last_sent = time.monotonic()
         self._wake: asyncio.Future[None] | None = None
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._on_readable)
 
     def close(self) -> None:
         self.loop.remove_reader(self.sock.fileno())
+        self.pool.close()
 
     def _on_readable(self) -> None:
         try:
@@ -133,8 +137,7 @@ class _Channel:
         else:
             for msg in self.frames.feed(data):
                 if isinstance(msg, wire.Release):
-                    if msg.slot // self.spec.slots == self.generation:
-                        self.free.append(msg.slot)  # a slot of a retired arena stays retired
+                    self.pool.returned(msg.slot)
                 elif isinstance(msg, wire.Task):
                     self.tasks.append(msg)
         if self._wake is not None and not self._wake.done():
@@ -150,9 +153,9 @@ class _Channel:
         return True
 
     async def slot(self) -> int | None:
-        if not await self._until(lambda: bool(self.free)):
+        if not await self._until(lambda: bool(self.pool.free)):
             return None
-        return self.free.popleft()
+        return self.pool.reserve()
 
     async def task(self) -> wire.Task | None:
         if not await self._until(lambda: bool(self.tasks)):
@@ -161,6 +164,7 @@ class _Channel:
 
     async def send(self, msg: wire.Message, fds: list[int] | None = None) -> None:
         frame = wire.encode(msg)
+        self.last_sent = time.monotonic()
         if not fds:
             await self.loop.sock_sendall(self.sock, frame)
             return
@@ -174,9 +178,23 @@ class _Channel:
         if sent < len(frame):
             await self.loop.sock_sendall(self.sock, frame[sent:])
 
+    def progress(self) -> None:
+        """Say "still reading" when nothing went out for a while: the parent's timeout
+        measures silence, and a slow reader that keeps producing is not silent.
+
+        Called between instances, when no send is in flight; a full socket skips it.
+        """
+        now = time.monotonic()
+        if now - self.last_sent < PROGRESS_EVERY:
+            return
+        self.last_sent = now
+        with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
+            self.sock.send(_PROGRESS_FRAME)
+
     async def _writable(self) -> None:
         fut: asyncio.Future[None] = self.loop.create_future()
         fd = self.sock.fileno()
+
         def ready() -> None:
             if not fut.done():
                 fut.set_result(None)
@@ -196,70 +214,46 @@ class _Channel:
         slot = await self.slot()
         if slot is None:
             return False
-        if self.arena is None:
+        pool = self.pool
+        if pool.arena is None:
             payload = make()  # the first batch tells how large a slot must be
             slot = await self._grow(tensors_nbytes(payload), slot)
-            writer = self._writer(slot)
+            writer = SlotWriter(self._arena(), slot)
         else:
-            writer = self._writer(slot)
+            writer = SlotWriter(pool.arena, slot)
             with use_allocator(writer.alloc):
                 payload = make()
             if writer.overflow:
                 slot = await self._grow(writer.pos - writer.start + writer.overflow, slot)
-                writer = self._writer(slot)
+                writer = SlotWriter(self._arena(), slot)
         try:
             tree = encode(payload, writer)
         except SlotFull as full:
             slot = await self._grow(full.needed, slot)
-            writer = self._writer(slot)
+            writer = SlotWriter(self._arena(), slot)
             tree = encode(payload, writer)
         nbytes = writer.pos - writer.start
-        await self.send(wire.Batch(slot, seq, nbytes, _packable(tree)))
+        await self.send(wire.Batch(slot, seq, nbytes, tree))
         return True
 
-    def _writer(self, slot: int) -> SlotWriter:
-        assert self.arena is not None
-        return SlotWriter(self.arena, slot)
+    def _arena(self) -> ArenaMap:
+        assert self.pool.arena is not None
+        return self.pool.arena
 
     async def _grow(self, needed: int, holding: int) -> int:
-        """Make sure a slot holds ``needed`` bytes; the slot to write the batch in.
-
-        A larger arena is a new generation with fresh slot ids; the old one is retired
-        without waiting for its slots: the parent keeps its mapping for as long as batches
-        in it are unread or leased to the consumer, and its releases are ignored here.
-        """
-        if self.arena is not None and needed <= self.arena.slot_size:
+        """Make sure a slot holds ``needed`` bytes; the slot to write the batch in."""
+        if self.pool.fits(needed):
             return holding
-        size = round_slot_size(needed)
-        name = f"aioloader-w{self.spec.worker_id}"
-        fd = create_file(self.spec.slots * size, name)
+        grown = self.pool.grow(needed, holding)
         try:
-            new = ArenaMap(fd, self.spec.slots, size)
-            await self.send(wire.Arena(self.spec.slots, size), fds=[fd])
+            await self.send(wire.Arena(self.spec.slots, grown.slot_size), fds=[grown.fd])
         finally:
-            os.close(fd)
-        if self.arena is not None:
-            self.arena.close()
-            self.generation += 1
-            first = self.generation * self.spec.slots
-            self.free = collections.deque(range(first, first + self.spec.slots))
-            holding = self.free.popleft()
-        self.arena = new
-        return holding
+            os.close(grown.fd)
+        return grown.slot
 
 
 class _ParentGone(Exception):
     """The socket reached EOF: the parent closed it or died."""
-
-
-def _packable(tree: Any) -> Any:
-    import msgpack
-
-    try:
-        msgpack.packb(tree, use_bin_type=True)
-    except (TypeError, ValueError, UnicodeEncodeError, OverflowError):
-        return ["P", pickle.dumps(tree)]
-    return tree
 
 
 async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
@@ -314,11 +308,12 @@ def _collate(spec: WorkerSpec, group: list[Any]) -> Callable[[], Any]:
     return lambda: collate(group)
 
 
-async def _instances(spec: WorkerSpec) -> AsyncIterator[Any]:
+async def _instances(spec: WorkerSpec, chan: _Channel) -> AsyncIterator[Any]:
     stream = open_shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
                         spec.num_workers, spec.rank, spec.world_size)
     agen = stream if is_async(stream) else as_async(stream)  # type: ignore[arg-type]
     async for item in agen:  # type: ignore[union-attr]
+        chan.progress()
         yield item
 
 
@@ -335,7 +330,7 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
             sent = await _send_instances(spec, chan)
         else:
             batcher = PassBatcher(spec.options, seed)
-            async for group in async_batches(_instances(spec), batcher):
+            async for group in async_batches(_instances(spec, chan), batcher):
                 if not await chan.emit(sent, _collate(spec, group)):
                     return
                 sent += 1
@@ -352,7 +347,7 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
 async def _send_instances(spec: WorkerSpec, chan: _Channel) -> int:
     chunk: list[Any] = []
     sent = 0
-    async for inst in _instances(spec):
+    async for inst in _instances(spec, chan):
         chunk.append(inst)
         if len(chunk) >= INSTANCE_CHUNK:
             if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]
@@ -372,6 +367,6 @@ async def _run_index(spec: WorkerSpec, chan: _Channel) -> None:
         task = await chan.task()
         if task is None:
             return
-        group = fetch(spec.source, task.indices)
+        group = fetch(spec.source, task.indices, chan.progress)
         if not await chan.emit(task.seq, _collate(spec, group)):
             return

@@ -1,0 +1,184 @@
+"""The data plane: who owns each arena slot, on both sides of a worker's socket.
+
+A worker's :class:`SlotPool` hands out free slots (reserve), the collate and the encoder
+fill one, and the header announces it (publish); a batch larger than a slot grows the
+arena by a *generation* with fresh slot ids. The parent's :class:`SlotLedger` accounts
+for every published slot until it goes back: ``unread`` (announced, not yet taken) →
+``leased`` (the consumer holds views of it) or ``copied`` → ``returned`` (a ``Release``
+is sent). Nothing else counts slots: sessions ask for a batch and get a value.
+
+Slot ids run on across generations (generation g owns ids ``g * slots ... g * slots +
+slots - 1``), so a release can never be mistaken for a slot of another arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._arena import ArenaMap, Lease, create_file, round_slot_size
+from ._codec import copied_from, decode
+
+COPY_IN_THREAD_BYTES = 1 << 20  # a copy this large runs in a thread: the loop keeps going
+LEASE_MIN_BYTES = 256 << 10  # below, a copy costs less than a lease's bookkeeping
+
+
+# ---------------------------------------------------------------------- worker side
+
+@dataclass(frozen=True, slots=True)
+class Grown:
+    """A new arena generation: announce ``fd`` (the caller closes it) before using ``slot``."""
+
+    fd: int
+    slot_size: int
+    slot: int
+
+
+class SlotPool:
+    """A worker's slots. ``reserve`` a free one, fill it, publish it; the parent returns it."""
+
+    def __init__(self, slots: int, name: str) -> None:
+        self.slots = slots
+        self.name = name
+        self.free: collections.deque[int] = collections.deque(range(slots))
+        self.generation = 0
+        self.arena: ArenaMap | None = None
+
+    def returned(self, slot: int) -> None:
+        """The parent gave ``slot`` back; a slot of a retired generation stays retired."""
+        if slot // self.slots == self.generation:
+            self.free.append(slot)
+
+    def reserve(self) -> int:
+        return self.free.popleft()
+
+    def fits(self, needed: int) -> bool:
+        return self.arena is not None and needed <= self.arena.slot_size
+
+    def grow(self, needed: int, holding: int) -> Grown:
+        """A larger arena (a new generation) for batches of ``needed`` bytes.
+
+        The old arena is retired without waiting for its slots: the parent keeps its mapping
+        for as long as batches in it are unread or leased, and its releases are ignored.
+        ``holding`` is the slot reserved for the batch that did not fit.
+        """
+        size = round_slot_size(needed)
+        fd = create_file(self.slots * size, self.name)
+        try:
+            new = ArenaMap(fd, self.slots, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.arena is not None:
+            self.arena.close()
+            self.generation += 1
+            first = self.generation * self.slots
+            self.free = collections.deque(range(first, first + self.slots))
+            holding = self.free.popleft()
+        self.arena = new
+        return Grown(fd, size, holding)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+# ---------------------------------------------------------------------- parent side
+
+class SlotLedger:
+    """The parent's account of one worker's slots (see the module docstring).
+
+    ``send_release(slot)`` tells the worker a slot is free again. Leases end in the
+    garbage collector, in any thread: their slots queue in ``_returned`` and go back on
+    the loop, at the next :meth:`take` or :meth:`reclaim`.
+    """
+
+    def __init__(self, slots: int, send_release: Callable[[int], None], *,
+                 lease: bool = True) -> None:
+        self.slots = slots
+        self._send_release = send_release
+        self._lease = lease
+        self.arenas: dict[int, ArenaMap] = {}  # by generation
+        self.generation = -1  # the newest
+        self.unread = 0
+        self.leased = 0
+        self._outstanding: collections.Counter[int] = collections.Counter()  # by generation
+        self._returned: collections.deque[int] = collections.deque()  # any thread appends
+
+    # -- what arrives
+
+    def add_arena(self, fd: int, slots: int, slot_size: int) -> None:
+        """A new generation, mapped from ``fd`` (the caller closes it)."""
+        self.generation += 1
+        self.arenas[self.generation] = ArenaMap(fd, slots, slot_size)
+        self._retire(self.generation - 1)
+
+    def published(self, slot: int) -> None:
+        """A message that holds ``slot`` arrived (a batch, or the end of a pass)."""
+        self.unread += 1
+        self._outstanding[slot // self.slots] += 1
+
+    # -- what the consumer takes
+
+    async def take(self, slot: int, nbytes: int, tree: Any, *, lease: bool = True) -> Any:
+        """The batch in ``slot``, the consumer's own: leased, or copied out of the slot.
+
+        A large batch is leased: its tensors are views of the slot, which goes back once
+        they are garbage-collected, so nothing is copied. One slot is never leased, so a
+        consumer that hoards batches slows the loader down to copying but never stalls it.
+        ``lease=False`` always copies (what is kept for long, like a cache of instances).
+        """
+        self.reclaim()
+        self.unread -= 1
+        arena = self.arenas.get(slot // self.slots)
+        if (lease and self._lease and arena is not None and nbytes >= LEASE_MIN_BYTES
+                and self.leased < self.slots - 1):
+            self.leased += 1
+            views = Lease(arena, slot, functools.partial(self._returned.append, slot))
+            return decode(tree, views.view)
+        try:
+            if nbytes >= COPY_IN_THREAD_BYTES:
+                return await asyncio.to_thread(decode, tree, copied_from(arena))
+            return decode(tree, copied_from(arena))
+        finally:
+            self.release(slot)
+
+    def skip(self, slot: int) -> None:
+        """A message that holds ``slot`` needs no reading (the end of a pass)."""
+        self.unread -= 1
+        self.release(slot)
+
+    def release(self, slot: int) -> None:
+        generation = slot // self.slots
+        self._outstanding[generation] -= 1
+        self._send_release(slot)
+        self._retire(generation)
+
+    def reclaim(self) -> None:
+        """Give back the slots whose leased batches were garbage-collected."""
+        while self._returned:
+            slot = self._returned.popleft()
+            self.leased -= 1
+            self.release(slot)
+
+    def _retire(self, generation: int) -> None:
+        if generation < self.generation and self._outstanding[generation] <= 0:
+            arena = self.arenas.pop(generation, None)
+            if arena is not None:
+                arena.close()
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(a.slots * a.slot_size for a in self.arenas.values())
+
+    def close(self) -> None:
+        """Unmap every arena; leased views keep their mapping until the last one goes."""
+        for arena in self.arenas.values():
+            arena.close()
+        self.arenas.clear()

@@ -1,0 +1,248 @@
+"""Epoch plans: which indices form each batch of an epoch on this rank; pure, no I/O.
+
+A plan used to be made inside the loader: a Python-list shuffle on the event loop (~1 s for
+2M indices), a torch.distributed collective inside `plan()` (so `len()` ran one too), and a
+user's already-sharded sampler dealt out across ranks a second time (issue 9). Here a plan is
+a function of (spec, data size or instances, epoch): no loop, no I/O, no collective, safe to
+run with `asyncio.to_thread`, and the same on every run and every rank. What ranks must agree
+on (the batch count of cached readers under `even_batches`) the caller agrees on once and
+passes in as `target_batches`.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import torch
+
+from ._distributed import even_out, shard_order, share_size
+from ._samplers import (
+    BatchSampler,
+    _check_options,
+    derive_seed,
+    num_batches,
+    split_batches,
+    torch_generator,
+    use_rng,
+)
+
+__all__ = [
+    "PlanSpec",
+    "Sharding",
+    "count_batches",
+    "plan_epoch",
+    "seed_for",
+    "sharding",
+    "worker_seed",
+]
+
+# set_epoch() then iteration must not interleave with another thread's on the same sampler.
+_SAMPLER_LOCK = threading.Lock()
+
+
+class Sharding(enum.Enum):
+    """How an epoch's samples are divided between torch.distributed ranks."""
+
+    SPLIT = "split"  # one plan over shared data, dealt DistributedSampler-style by the loader
+    LOCAL = "local"  # the data is this rank's own shard (cached reader): plan it all
+    AS_IS = "as_is"  # a user's sampler: exactly what it yields on this rank, never split again
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What an epoch's plan depends on, besides the data and the epoch number.
+
+    `sampler` is None (plan from batch_size/shuffle/drop_last), an `aioloader.BatchSampler`,
+    or a user's index-batch sampler (a torch `BatchSampler`, any iterable of index lists).
+
+    Example:
+        PlanSpec(batch_size=32, shuffle=True, seed=7, rank=1, world_size=4)
+    """
+
+    batch_size: int | None = None
+    drop_last: bool = False
+    shuffle: bool = False
+    sampler: Any = None
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    even_batches: bool = True
+
+    def __post_init__(self) -> None:
+        _check_options(self.batch_size, self.drop_last, self.shuffle, self.sampler)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} of world_size {self.world_size} is not a rank")
+
+
+def sharding(spec: PlanSpec, *, shared: bool) -> Sharding:
+    """The policy for `spec` over data every rank holds whole (`shared`) or its own shard."""
+    if spec.sampler is not None and not isinstance(spec.sampler, BatchSampler):
+        return Sharding.AS_IS
+    return Sharding.SPLIT if shared else Sharding.LOCAL
+
+
+def plan_epoch(
+    spec: PlanSpec,
+    data: Sequence[Any],
+    epoch: int,
+    *,
+    shared: bool,
+    target_batches: int | None = None,
+) -> list[list[int]]:
+    """The index batches of epoch `epoch` on rank `spec.rank`; pure and thread-safe.
+
+    `shared`: `data` is the same on every rank (a map-style dataset); False: it is this
+    rank's own cached instances. Only `len(data)` is used, unless an `aioloader.BatchSampler`
+    needs the instances. The policy (`sharding`):
+
+    - SPLIT: the loader's own sampling. One order of range(n) (torch.randperm seeded from
+      (seed, epoch) when shuffling, else range order) is dealt like DistributedSampler: with
+      `even_batches` every rank gets ceil(n/world) samples by wrapping (floor with
+      drop_last). An `aioloader.BatchSampler` batches this rank's share (r, r+world, ...).
+    - LOCAL: the data is planned whole, never split again.
+    - AS_IS: a user's sampler, never split again. If it has `set_epoch` (a torch
+      `BatchSampler` whose `.sampler` has it counts: a DistributedSampler), it is called
+      with `epoch` before iterating, as Lightning and accelerate do; this is the only side
+      effect.
+
+    `target_batches`: pad with batches repeated from the start up to this count (the count
+    ranks agreed on for `even_batches` over cached readers); never truncates.
+
+    Example:
+        plan_epoch(PlanSpec(batch_size=2, shuffle=True, seed=1), dataset, 3, shared=True)
+    """
+    policy = sharding(spec, shared=shared)
+    if policy is Sharding.AS_IS:
+        batches = _user_batches(spec.sampler, epoch)
+    elif spec.sampler is not None:
+        batches = _sampler_batches(spec, data, epoch, policy)
+    else:
+        assert spec.batch_size is not None  # PlanSpec checked
+        n = len(data)
+        if spec.shuffle:
+            order = torch.randperm(n, generator=torch_generator(_epoch_seed(spec, epoch, policy)))
+        else:
+            order = torch.arange(n)
+        if policy is Sharding.SPLIT:
+            order = shard_order(order, spec.rank, spec.world_size, even=spec.even_batches,
+                                drop_last=spec.drop_last)
+        batches = split_batches(order, spec.batch_size, spec.drop_last)
+    return batches if target_batches is None else even_out(batches, target_batches)
+
+
+def count_batches(
+    spec: PlanSpec, data: Sequence[Any], *, shared: bool, target_batches: int | None = None
+) -> int:
+    """`len(plan_epoch(...))` for any epoch, without making the plan (no collective).
+
+    For a cached reader in distributed mode, without `target_batches`, this is this rank's
+    own count. A user's sampler must have `len()`.
+    """
+    policy = sharding(spec, shared=shared)
+    if policy is Sharding.AS_IS:
+        try:
+            count = len(spec.sampler)
+        except TypeError:
+            raise TypeError(
+                f"batch_sampler {type(spec.sampler).__name__} has no len(): the number of "
+                "batches is unknown (pass batches_per_epoch)"
+            ) from None
+    elif spec.sampler is not None:
+        sampler: BatchSampler = spec.sampler
+        count = sampler.get_num_batches(_share(spec, data) if policy is Sharding.SPLIT else data)
+    else:
+        assert spec.batch_size is not None
+        n = len(data)
+        if policy is Sharding.SPLIT:
+            n = share_size(n, spec.rank, spec.world_size, even=spec.even_batches,
+                           drop_last=spec.drop_last)
+        count = num_batches(n, spec.batch_size, spec.drop_last)
+    if target_batches is not None and count:
+        count = max(count, target_batches)  # even_out pads a non-empty plan only
+    return count
+
+
+def seed_for(spec: PlanSpec, epoch: int) -> int:
+    """The seed of an in-process pass (num_workers=0); `_Planner.seed_for`'s formula."""
+    return derive_seed(spec.seed, epoch, spec.rank, 0)
+
+
+def worker_seed(spec: PlanSpec, epoch: int, worker: int) -> int:
+    """Worker `worker`'s seed in epoch `epoch`: `WorkerSpec.seed_for`'s formula (63 bits)."""
+    return derive_seed(spec.seed, epoch, spec.rank, worker) & ((1 << 63) - 1)
+
+
+def _epoch_seed(spec: PlanSpec, epoch: int, policy: Sharding) -> int:
+    # SPLIT: every rank must draw the same order. LOCAL across ranks: the same local
+    # permutation on every rank would put stream neighbours (rank shards r, r+world, ...)
+    # into the same global step, so each rank draws its own.
+    if policy is Sharding.LOCAL and spec.world_size > 1:
+        return derive_seed(spec.seed, epoch, spec.rank)
+    return derive_seed(spec.seed, epoch)
+
+
+def _sampler_batches(
+    spec: PlanSpec, data: Sequence[Any], epoch: int, policy: Sharding
+) -> list[list[int]]:
+    sampler: BatchSampler = spec.sampler
+    instances = _share(spec, data) if policy is Sharding.SPLIT else data
+    # The BatchSampler protocol draws from a `random.Random`, through current_rng().
+    with use_rng(random.Random(_epoch_seed(spec, epoch, policy))):
+        local = [list(b) for b in sampler.get_batch_indices(instances)]
+    if isinstance(instances, _Share):
+        return [[instances.indices[i] for i in b] for b in local]
+    return local
+
+
+def _user_batches(sampler: Any, epoch: int) -> list[list[int]]:
+    with _SAMPLER_LOCK:
+        for owner in (sampler, getattr(sampler, "sampler", None)):
+            set_epoch = getattr(owner, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+                break
+        batches: list[list[int]] = []
+        for batch in sampler:
+            try:
+                batches.append([int(i) for i in batch])
+            except TypeError:
+                raise TypeError(
+                    f"batch_sampler {type(sampler).__name__} yielded {batch!r}, not a list of "
+                    "indices (a torch Sampler goes inside torch.utils.data.BatchSampler)"
+                ) from None
+        return batches
+
+
+def _share(spec: PlanSpec, data: Sequence[Any]) -> Sequence[Any]:
+    """This rank's SPLIT share of `data` (`data` itself on a single rank)."""
+    if spec.world_size == 1:
+        return data
+    indices = shard_order(torch.arange(len(data)), spec.rank, spec.world_size,
+                          even=spec.even_batches, drop_last=spec.drop_last)
+    return _Share(data, indices.tolist())
+
+
+class _Share(Sequence[Any]):
+    """A view of `data` at `indices`, for a BatchSampler that batches a rank's share."""
+
+    def __init__(self, data: Sequence[Any], indices: list[int]) -> None:
+        self.data, self.indices = data, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Any]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return _Share(self.data, self.indices[i])
+        return self.data[self.indices[i]]

@@ -1,0 +1,234 @@
+"""Sessions: one lifecycle around whatever produces batches, in this process or in workers.
+
+A :class:`Session` owns one *producer* (the workers of a supervisor, or a reader or dataset
+driven in this process) and is the only place its state changes::
+
+    starting ──(started)──> idle <──(a step ends)── running
+       │                     │  └──(next())──────────^  │
+       └──── close from any task or thread, an error, a cancel, the GC ───> closing ──> closed
+
+Every wait of the consumer happens inside :meth:`Session.next`, and the session knows the
+task doing it. A close from another task or thread, or a timeout, cancels that task at its
+wait and turns the cancellation into :class:`LoaderClosedError` or
+:class:`LoaderTimeoutError`; nothing polls. A session outlives one epoch (workers persist,
+a stream continues) and one event loop: it is attached to the loop of the epoch running it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ._errors import LoaderClosedError, LoaderTimeoutError
+from ._supervisor import GRACE, Delivered
+
+
+@dataclass(frozen=True, slots=True)
+class PassDone:
+    """The end of one pass over the data; ``empty``: the whole pass produced nothing."""
+
+    empty: bool
+
+
+Step = Delivered | PassDone
+
+
+class Producer(Protocol):
+    """What a session drives: started once, stepped, attached per epoch, closed once."""
+
+    async def start(self) -> None: ...
+    async def next(self) -> Step: ...
+    def behind(self) -> str: ...
+    def last_activity(self) -> float: ...
+    def attach(self, private: bool) -> None: ...
+    def detach(self) -> None: ...
+    async def aclose(self, grace: float) -> None: ...
+    def close(self, grace: float) -> None: ...
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    IDLE = "idle"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class Session:
+    """The lifecycle of one producer (see the module docstring)."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.state = State.STARTING
+        self.owner_pid = os.getpid()
+        self.loop: asyncio.AbstractEventLoop | None = None  # attached to, while an epoch runs
+        self._lock = threading.Lock()
+        self._consumer: asyncio.Task[Any] | None = None  # the task inside next(), if any
+        self._reason: str | None = None  # why we cancelled it: "closed" or "timeout"
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = threading.Event()
+
+    # ------------------------------------------------------------------ running
+
+    async def start(self) -> None:
+        """Start the producer; on any error or cancellation, close it (no grace)."""
+        try:
+            await self.producer.start()
+        except BaseException:
+            await self.aclose(0.0)
+            raise
+        with self._lock:
+            if self.state is State.STARTING:
+                self.state = State.IDLE
+
+    def attach(self, private: bool = False) -> None:
+        """Serve the running loop's epoch; ``private``: the loop is the sync adapter's."""
+        self.loop = asyncio.get_running_loop()
+        self.producer.attach(private)
+
+    def detach(self) -> None:
+        self.producer.detach()
+        self.loop = None
+
+    async def next(self, timeout: float | None = None) -> Step:
+        """The next batch or pass end.
+
+        ``timeout`` measures silence: it trips only when nothing at all was heard from
+        the producer (a batch, an instance, a worker's progress) for that long.
+        """
+        task = asyncio.current_task()
+        assert task is not None and self.loop is not None
+        with self._lock:
+            if self.state in (State.CLOSING, State.CLOSED):
+                raise LoaderClosedError("the loader was closed; iterate it again to restart")
+            self.state = State.RUNNING
+            self._consumer = task
+        if timeout is not None:
+            self._arm(timeout, time.monotonic())
+        try:
+            return await self.producer.next()
+        except asyncio.CancelledError:
+            reason, self._reason = self._reason, None
+            if reason is None or task.uncancel() > 0:
+                raise  # a cancellation of the consumer's own (too)
+            if reason == "timeout":
+                raise LoaderTimeoutError(
+                    f"nothing arrived within timeout={timeout}s; still waiting for "
+                    f"{self.producer.behind()}. Raise timeout= if the source is just slow."
+                ) from None
+            raise LoaderClosedError(
+                "the loader was closed (close()/aclose() from another task or thread) while "
+                "this iteration waited for a batch") from None
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            with self._lock:
+                self._consumer = None
+                if self.state is State.RUNNING:
+                    self.state = State.IDLE
+
+    def _arm(self, timeout: float, since: float) -> None:
+        assert self.loop is not None
+        start = max(since, self.producer.last_activity())
+        self._timer = self.loop.call_at(
+            self.loop.time() + max(0.0, start + timeout - time.monotonic()),
+            self._check_silence, timeout, since)
+
+    def _check_silence(self, timeout: float, since: float) -> None:
+        heard = max(since, self.producer.last_activity())
+        if time.monotonic() - heard < timeout:
+            self._arm(timeout, since)
+            return
+        self._timer = None
+        self._interrupt("timeout")
+
+    def _interrupt(self, reason: str) -> None:
+        """On the loop: end the consumer's wait inside next() (if it is waiting)."""
+        consumer = self._consumer
+        if consumer is not None and not consumer.done() and self._reason is None:
+            self._reason = reason
+            consumer.cancel()
+
+    def behind(self) -> str:
+        return self.producer.behind()
+
+    # ------------------------------------------------------------------ closing
+
+    def _begin_close(self) -> bool:
+        """Move to closing (once) and wake a consumer waiting in next()."""
+        with self._lock:
+            if self.state in (State.CLOSING, State.CLOSED):
+                return False
+            self.state = State.CLOSING
+            consumer, loop = self._consumer, self.loop
+        if consumer is not None and loop is not None and not loop.is_closed():
+            if _running_loop() is loop:
+                self._interrupt("closed")
+            else:
+                loop.call_soon_threadsafe(self._interrupt, "closed")
+        return True
+
+    def _end_close(self) -> None:
+        with self._lock:
+            self.state = State.CLOSED
+        self._closed.set()
+
+    async def aclose(self, grace: float = GRACE) -> None:
+        """Stop the producer (on the running loop); a second caller waits for the first."""
+        if not self._begin_close():
+            if not self._closed.is_set():
+                await asyncio.to_thread(self._closed.wait)
+            return
+        try:
+            await self.producer.aclose(grace)
+        finally:
+            self._end_close()
+
+    def close(self, grace: float = GRACE) -> None:
+        """Blocking close, for a thread whose loop does not serve this session right now."""
+        if not self._begin_close():
+            self._closed.wait()
+            return
+        try:
+            self.producer.close(grace)
+        finally:
+            self._end_close()
+
+    def kill(self) -> None:
+        """The garbage collector's backstop: only in the process that owns the workers."""
+        if os.getpid() == self.owner_pid:
+            self.close(0.0)
+
+    @property
+    def closed(self) -> bool:
+        return self.state in (State.CLOSING, State.CLOSED)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+class Activity:
+    """When a producer last showed a sign of life; written from any thread."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def touch(self) -> None:
+        self.at = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.at
+
+
+Touch = Callable[[], None]
