@@ -7,7 +7,9 @@ loader`` (or ``loader.sync(device=...)``) everywhere else.
 
 from ._collate import PadCollate, default_collate
 from ._errors import (
+    FrameTooLargeError,
     LoaderBusyError,
+    LoaderClosedError,
     LoaderTimeoutError,
     SourcePicklingError,
     WorkerDied,
@@ -23,7 +25,9 @@ __all__ = [
     "BatchSampler",
     "BucketBatchSampler",
     "DataLoader",
+    "FrameTooLargeError",
     "LoaderBusyError",
+    "LoaderClosedError",
     "LoaderTimeoutError",
     "PadCollate",
     "Reader",

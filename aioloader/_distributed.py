@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -37,7 +39,6 @@ def topology(even_batches: bool) -> Topology:
 
 def all_reduce(topo: Topology, value: int, op: str) -> int:
     """``value`` reduced over the ranks with ``op`` ("min" or "max"); blocking."""
-    import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.int64)
@@ -46,20 +47,38 @@ def all_reduce(topo: Topology, value: int, op: str) -> int:
     return int(t.item())
 
 
-def shard_indices(n: int, rank: int, world: int, *, even: bool, drop_last: bool,
-                  order: list[int]) -> list[int]:
-    """This rank's share of ``order`` (a permutation of range(n)), like DistributedSampler.
+def share_size(n: int, rank: int, world: int, *, even: bool, drop_last: bool) -> int:
+    """How many of ``n`` samples ``shard_order`` gives rank ``rank``, without building it."""
+    if even:
+        return n // world if drop_last else -(-n // world)
+    return len(range(rank, n, world))
+
+
+def shard_order(order: torch.Tensor, rank: int, world: int, *, even: bool,
+                drop_last: bool) -> torch.Tensor:
+    """This rank's share of ``order`` (a 1-D index tensor), like DistributedSampler.
 
     ``even``: every rank gets the same number, by wrapping around (a few samples twice)
-    or, with ``drop_last``, by leaving the remainder out.
+    or, with ``drop_last``, by leaving the remainder out. Otherwise rank r takes r, r+world, ...
     """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    n = order.numel()
     if even and n % world:
         if drop_last:
             order = order[: n - n % world]
         else:
             pad = world - n % world
-            order = order + (order * (pad // max(1, n) + 1))[:pad]
+            order = torch.cat([order, order.repeat(pad // n + 1)[:pad]])
     return order[rank::world]
+
+
+def shard_indices(n: int, rank: int, world: int, *, even: bool, drop_last: bool,
+                  order: list[int]) -> list[int]:
+    """``shard_order`` for a list ``order`` (a permutation of range(n))."""
+    shard: list[int] = shard_order(torch.tensor(order, dtype=torch.int64), rank, world,
+                                   even=even, drop_last=drop_last).tolist()
+    return shard
 
 
 def even_out(batches: list[list[int]], target: int) -> list[list[int]]:

@@ -16,22 +16,24 @@ from ._device import DeviceLike, as_device, move_to
 from ._distributed import all_reduce, topology
 from ._errors import LoaderBusyError
 from ._pipeline import BatchOptions
-from ._planning import PlanSpec, count_batches, plan_epoch
+from ._planning import PlanSpec, count_batches, plan_epoch, seed_for
 from ._producers import (
     CachedInstances,
     LocalIndex,
     LocalInstances,
     LocalStream,
+    Plan,
     WorkerIndex,
     WorkerInstances,
     WorkerStream,
 )
-from ._samplers import BatchSampler, derive_seed
+from ._samplers import BatchSampler
 from ._session import PassDone, Producer, Session
 from ._sources import Kind, classify
 from ._supervisor import GRACE, Supervisor
 from ._sync import Portal, SyncLoader, running_loop
-from ._worker import Plan, WorkerSpec
+from ._worker import Plan as Role
+from ._worker import WorkerSpec
 
 START_METHODS = ("fork", "spawn", "forkserver")
 
@@ -335,16 +337,19 @@ class DataLoader:
         if not (topo.distributed and self.even_batches):
             return lambda pass_no: plan_epoch(spec, data, pass_no, shared=False)
 
-        def agreed(pass_no: int) -> list[list[int]]:  # in a thread: ranks agree once a pass
-            target = all_reduce(topo, count_batches(spec, data, shared=False), "max")
-            return plan_epoch(spec, data, pass_no, shared=False, target_batches=target)
+        target: list[int] = []  # agreed once per cache, by the first plan of the session
+
+        def agreed(pass_no: int) -> list[list[int]]:  # in a thread, never from len()
+            if not target:
+                target.append(all_reduce(topo, count_batches(spec, data, shared=False), "max"))
+            return plan_epoch(spec, data, pass_no, shared=False, target_batches=target[0])
 
         return agreed
 
     def _stream_seed(self, pass_no: int) -> int:
-        return derive_seed(self._base_seed, pass_no, self._topo.rank, 0)
+        return seed_for(self._plan_spec, pass_no)
 
-    def _supervisor(self, plan: Any, source: Any, kind: Kind, first_pass: int) -> Supervisor:
+    def _supervisor(self, plan: Role, source: Any, kind: Kind, first_pass: int) -> Supervisor:
         spec = WorkerSpec(
             source=source, kind=kind, data_path=self.data_path, plan=plan,
             options=self._options, collate_fn=self.collate_fn, worker_id=0,

@@ -24,6 +24,8 @@ __all__ = [
     "index_batches",
     "num_batches",
     "plan_indices",
+    "split_batches",
+    "torch_generator",
     "use_rng",
 ]
 
@@ -82,18 +84,53 @@ def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
     return n // batch_size if drop_last else -(-n // batch_size)
 
 
-def index_batches(
-    n: int, batch_size: int, *, drop_last: bool, shuffle: bool, rng: random.Random
-) -> list[list[int]]:
-    """Indices 0..n-1, shuffled when asked, cut into batches; drop_last drops a short last one."""
+_TOLIST_BLOCK = 1 << 16
+
+
+def torch_generator(seed: int) -> torch.Generator:
+    """A CPU `torch.Generator` seeded with `seed` (a `derive_seed` value: 0 <= seed < 2**64)."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+def split_batches(order: torch.Tensor, batch_size: int, drop_last: bool) -> list[list[int]]:
+    """A 1-D index tensor cut into batches of `batch_size`; drop_last drops a short last one."""
     _check_batch_size(batch_size)
-    indices = list(range(n))
-    if shuffle:
-        rng.shuffle(indices)
-    batches = [indices[i : i + batch_size] for i in range(0, n, batch_size)]
-    if drop_last and batches and len(batches[-1]) < batch_size:
-        batches.pop()
+    n = order.numel()
+    full = n - n % batch_size
+    # C-level tolist() on (k, batch_size) blocks: slicing a 2M-item list in Python costs more
+    # than the shuffle. Blocks of ~64K indices, because tolist() holds the GIL throughout and
+    # the event loop may be waiting on the thread that plans (issue 9).
+    step = max(1, _TOLIST_BLOCK // batch_size) * batch_size
+    batches: list[list[int]] = []
+    for start in range(0, full, step):
+        batches += order[start : min(start + step, full)].reshape(-1, batch_size).tolist()
+    if full < n and not drop_last:
+        batches.append(order[full:].tolist())
     return batches
+
+
+def index_batches(
+    n: int,
+    batch_size: int,
+    *,
+    drop_last: bool,
+    shuffle: bool,
+    rng: random.Random | torch.Generator,
+) -> list[list[int]]:
+    """Indices 0..n-1, shuffled when asked, cut into batches; drop_last drops a short last one.
+
+    The shuffle is `torch.randperm` (a Python-list shuffle of 2M indices takes ~1 s); a
+    `random.Random` given as `rng` seeds the torch generator with 64 of its bits.
+    """
+    _check_batch_size(batch_size)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not shuffle:
+        return split_batches(torch.arange(n), batch_size, drop_last)
+    generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))
+    return split_batches(torch.randperm(n, generator=generator), batch_size, drop_last)
 
 
 def buffered_shuffle(items: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:
@@ -287,7 +324,11 @@ def plan_indices(
     sampler: BatchSampler | None,
     rng: random.Random,
 ) -> list[list[int]]:
-    """Index batches for a cached list (or a map-style dataset's length); agrees with `Batcher`."""
+    """Index batches for a cached list (or a map-style dataset's length); agrees with `Batcher`.
+
+    Without a sampler the shuffle is `index_batches`' (torch.randperm seeded from `rng`); a
+    sampler draws from `rng` through `current_rng()`.
+    """
     _check_options(batch_size, drop_last, shuffle, sampler)
     if sampler is not None:
         if isinstance(instances_or_len, int):

@@ -17,11 +17,13 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import os
 import pickle
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -39,18 +41,20 @@ from ._worker import WorkerSpec, worker_main
 _STARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloader-start")
 
 # Parent-side sockets of every live worker. A process forked later (another worker) must
-# not hold them open, or a worker would never see EOF when its parent closes or dies.
-_PARENT_FDS: set[int] = set()
+# not hold them open, or a worker would never see EOF when its parent closes or dies. The
+# child also detaches the socket objects it inherited: one collected there later would
+# close whatever its fd number has become by then (uvloop's io_uring fd: SIGABRT, issue 9).
+_PARENT_SOCKS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
 
-def _close_parent_fds_in_child() -> None:
-    for fd in list(_PARENT_FDS):
+def _close_parent_socks_in_child() -> None:
+    for sock in list(_PARENT_SOCKS):
         with contextlib.suppress(OSError):
-            os.close(fd)
-    _PARENT_FDS.clear()
+            os.close(sock.detach())
+    _PARENT_SOCKS.clear()
 
 
-os.register_at_fork(after_in_child=_close_parent_fds_in_child)
+os.register_at_fork(after_in_child=_close_parent_socks_in_child)
 
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
@@ -148,13 +152,12 @@ class Supervisor:
             ctx.set_forkserver_preload(["aioloader._worker"])
         for k in range(self.num_workers):
             parent, child = socket.socketpair()
-            _PARENT_FDS.add(parent.fileno())
+            _PARENT_SOCKS.add(parent)
             parent.setblocking(False)
             proc = ctx.Process(target=worker_main, args=(self.spec.for_worker(k), child),
                                daemon=True, name=f"aioloader-worker-{k}")
             w = WorkerState(k, proc, parent, SlotLedger(
-                self.spec.slots, lambda slot, k=k: self._send(k, wire.Release(slot)),
-                lease=self.lease))
+                self.spec.slots, functools.partial(self._release, k), lease=self.lease))
             self.workers.append(w)
             w.starting = _STARTER.submit(_start_process, w, child)
         try:
@@ -287,6 +290,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------ send
 
+    def _release(self, worker_id: int, slot: int) -> None:
+        self._send(worker_id, wire.Release(slot))
+
     def request(self, worker_id: int, seq: int, indices: list[int]) -> None:
         """Ask worker ``worker_id`` for the batch of ``indices``, numbered ``seq``."""
         self._send(worker_id, wire.Task(seq, indices))
@@ -354,7 +360,7 @@ class Supervisor:
         self.closed = True
         self.detach()
         for w in self.workers:
-            _PARENT_FDS.discard(w.sock.fileno())
+            _PARENT_SOCKS.discard(w.sock)
             w.sock.close()  # EOF: the worker's signal to stop
             while w.fds:
                 os.close(w.fds.popleft())

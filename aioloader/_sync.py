@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -31,6 +33,27 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+# Loops a forked child inherited from its parent's portals. They are kept, never closed nor
+# freed: freeing a uvloop loop there tears down libuv state it shares with the parent (the
+# child aborts with "io_uring_enter: Bad file descriptor"; issue 9).
+_INHERITED: list[Any] = []
+_PORTALS: weakref.WeakSet[Portal] = weakref.WeakSet()
+
+
+def _orphan_loops_in_child() -> None:
+    for portal in list(_PORTALS):
+        _INHERITED.append((portal.loop, portal._thread_loop))
+        portal.loop = portal._thread_loop = None
+        portal._thread = None
+        portal._driver = None
+        portal._handed = []
+        portal._cond = threading.Condition()
+    _PORTALS.clear()
+
+
+os.register_at_fork(after_in_child=_orphan_loops_in_child)
+
+
 class Portal:
     """Runs coroutines to completion for synchronous callers, on a loop kept between calls.
 
@@ -46,6 +69,7 @@ class Portal:
         self._cond = threading.Condition()
         self._driver: int | None = None
         self._handed: list[concurrent.futures.Future[Any]] = []
+        _PORTALS.add(self)
 
     def owns(self, loop: asyncio.AbstractEventLoop | None) -> bool:
         return loop is not None and loop in (self.loop, self._thread_loop)
@@ -138,7 +162,7 @@ class Portal:
             tloop, self._thread_loop = self._thread_loop, None
             thread, self._thread = self._thread, None
         if loop is not None:
-            with contextlib.suppress(RuntimeError):
+            if running_loop() is None:
                 loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
         if tloop is not None and thread is not None:

@@ -24,6 +24,8 @@ from aioloader._samplers import (
     index_batches,
     num_batches,
     plan_indices,
+    split_batches,
+    torch_generator,
     use_rng,
 )
 
@@ -125,6 +127,25 @@ def test_index_batches_shuffles_reproducibly() -> None:
     b = index_batches(50, 7, drop_last=False, shuffle=True, rng=random.Random(1))
     c = index_batches(50, 7, drop_last=False, shuffle=True, rng=random.Random(2))
     assert a == b and a != c
+
+
+def test_index_batches_shuffles_with_randperm() -> None:
+    expected = torch.randperm(20, generator=torch_generator(7)).tolist()
+    got = index_batches(20, 6, drop_last=False, shuffle=True, rng=torch_generator(7))
+    assert [i for b in got for i in b] == expected
+    # a random.Random seeds the torch generator with 64 of its bits
+    bits = random.Random(3).getrandbits(64)
+    assert index_batches(20, 6, drop_last=True, shuffle=True, rng=random.Random(3)) == (
+        index_batches(20, 6, drop_last=True, shuffle=True, rng=torch_generator(bits))
+    )
+
+
+def test_split_batches() -> None:
+    assert split_batches(torch.arange(7), 3, False) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert split_batches(torch.arange(7), 3, True) == [[0, 1, 2], [3, 4, 5]]
+    assert split_batches(torch.arange(10)[1::2], 2, False) == [[1, 3], [5, 7], [9]]
+    assert split_batches(torch.arange(2), 3, True) == []
+    assert split_batches(torch.arange(0), 3, False) == []
 
 
 def test_num_batches_validates() -> None:
