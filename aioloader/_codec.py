@@ -1,15 +1,24 @@
 """Batch codec: a batch's structure as msgpack data, its tensors as places in an arena slot.
 
-``encode`` walks what the collate returned. Tensors go into the slot (or are found already
-there, when the collate wrote straight into it) and become ``["T", offset, dtype, shape,
-requires_grad]``; containers keep their exact type (``"d"`` dict, ``"l"`` list, ``"t"``
-tuple, ``"n"`` namedtuple, ``"m"`` other mapping); plain msgpack scalars stay bare; anything
-else is pickled (``"P"``). ``decode`` rebuilds it in the parent, each tensor either copied
-out or leased (a view of the slot that gives the slot back once garbage-collected).
+``encode`` walks what the collate returned, and is total: for any picklable batch, the tree
+it returns packs with msgpack. Tensors go into the slot (or are found already there, when
+the collate wrote straight into it) and become ``["T", offset, dtype, shape,
+requires_grad]``. Containers keep their exact type: ``"d"`` dict, ``"l"`` list, ``"t"``
+tuple, ``"n"`` namedtuple, ``"m"`` other mapping rebuilt from its items, ``"o"`` a
+``UserDict`` (such as transformers' ``BatchEncoding``) or a dataclass, rebuilt from its
+class and its pickle state, whose tensors travel through the slot like any other. Plain
+msgpack scalars stay bare; a str that is not valid UTF-8 (surrogate escapes, as
+``os.fsdecode`` makes of undecodable file names) is ``"s"``; anything else is pickled on
+its own (``"P"``), never the tree around it. ``decode`` rebuilds it in the parent, each
+tensor either copied out or leased (a view of the slot that gives the slot back once
+garbage-collected).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,8 +27,16 @@ import torch
 
 from ._arena import ArenaMap, SlotFull, SlotWriter, align
 
-_BARE = (str, bytes, bool, float, type(None))
+_BARE = (bytes, bool, float, type(None))  # exact types only: subclasses are pickled
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+# A batch with containers nested deeper than this is pickled whole: msgpack refuses trees
+# nested past 1024 levels (each container takes up to two), both walks recurse once per
+# level, and a batch that holds itself (a cycle) is only rebuilt exactly by pickle.
+_MAX_DEPTH = 100
+
+
+class _TooDeep(Exception):
+    pass
 
 
 def _is_plain_tensor(t: torch.Tensor) -> bool:
@@ -27,30 +44,53 @@ def _is_plain_tensor(t: torch.Tensor) -> bool:
             and not t.is_nested and type(t) is torch.Tensor)
 
 
-def tensors_nbytes(obj: Any) -> int:
-    """Arena bytes the tensors in ``obj`` need (for sizing a slot)."""
+def tensors_nbytes(obj: Any, depth: int = 0) -> int:
+    """Arena bytes the tensors in ``obj`` need (for sizing a slot).
+
+    Never less than what ``encode`` places in the slot (a slot sized by it must hold the
+    batch); where ``encode`` pickles a container holding tensors, it may count more.
+    """
     if isinstance(obj, torch.Tensor):
         return align(obj.numel() * obj.element_size()) if _is_plain_tensor(obj) else 0
-    if isinstance(obj, Mapping):
-        return sum(tensors_nbytes(v) for v in obj.values())
+    if depth >= _MAX_DEPTH:
+        return 0
+    depth += 1
     if isinstance(obj, (list, tuple)):
-        return sum(tensors_nbytes(v) for v in obj)
+        return sum(tensors_nbytes(v, depth) for v in obj)
+    rebuilt = _rebuilt(obj)
+    if rebuilt is not None:
+        return tensors_nbytes(rebuilt[1], depth)
+    if isinstance(obj, Mapping):
+        return sum(tensors_nbytes(k, depth) + tensors_nbytes(v, depth) for k, v in obj.items())
     return 0
 
 
 def encode(obj: Any, slot: SlotWriter) -> Any:
     """The msgpack-ready tree of ``obj``; tensors are written into ``slot``.
 
-    Raises SlotFull (with the bytes the whole batch needs) when they do not fit.
+    Raises SlotFull (with the bytes the whole batch needs) when they do not fit, and
+    TypeError when part of the batch is neither encodable nor picklable.
     """
     try:
-        return _encode(obj, slot)
+        return _encode(obj, slot, 0)
     except SlotFull:
         raise SlotFull(tensors_nbytes(obj)) from None
+    except _TooDeep:
+        return ["P", _pickled(obj)]
 
 
-def _encode(obj: Any, slot: SlotWriter) -> Any:
-    cls = type(obj)
+def _encode(obj: Any, slot: SlotWriter, depth: int) -> Any:
+    cls: type = type(obj)
+    if cls is str:
+        # msgpack packs strict UTF-8 only; a lone surrogate is the one thing a str may hold
+        # that is not. ASCII, the common case, needs no trial encoding.
+        if obj.isascii():
+            return obj
+        try:
+            obj.encode()
+        except UnicodeEncodeError:
+            return ["s", obj.encode("utf-8", "surrogatepass")]
+        return obj
     if cls in _BARE:
         return obj
     if cls is int:
@@ -65,24 +105,39 @@ def _encode(obj: Any, slot: SlotWriter) -> Any:
         if off is None:
             off = slot.place(t)
         return ["T", off, str(t.dtype)[6:], list(t.shape), obj.requires_grad]
+    if depth >= _MAX_DEPTH:
+        raise _TooDeep
+    depth += 1
     if cls is dict:
         items: list[Any] = []
+        append = items.append
         for k, v in obj.items():
-            items.append(_encode(k, slot))
-            items.append(_encode(v, slot))
+            # An ASCII str, the commonest key and item, inline: the call it saves pays for
+            # the str check (batches of small dicts or of names encode no slower for it).
+            append(k if type(k) is str and k.isascii() else _encode(k, slot, depth))
+            append(v if type(v) is str and v.isascii() else _encode(v, slot, depth))
         return ["d", items]
     if cls is list:
-        return ["l", [_encode(v, slot) for v in obj]]
+        return ["l", [v if type(v) is str and v.isascii() else _encode(v, slot, depth)
+                      for v in obj]]
     if cls is tuple:
-        return ["t", [_encode(v, slot) for v in obj]]
+        return ["t", [_encode(v, slot, depth) for v in obj]]
     if isinstance(obj, tuple) and hasattr(cls, "_fields"):
-        return ["n", _pickled(cls), [_encode(v, slot) for v in obj]]
-    if isinstance(obj, Mapping) and _rebuildable_mapping(cls):
-        items = []
-        for k, v in obj.items():
-            items.append(_encode(k, slot))
-            items.append(_encode(v, slot))
-        return ["m", _pickled(cls), items]
+        pickled_cls = _class_bytes(cls)
+        if pickled_cls is not None:
+            return ["n", pickled_cls, [_encode(v, slot, depth) for v in obj]]
+    elif (isinstance(obj, Mapping) and _rebuildable_mapping(cls)
+          and not getattr(obj, "__dict__", None)):  # attributes of its own: pickle keeps them
+        pickled_cls = _class_bytes(cls)
+        if pickled_cls is not None:
+            items = []
+            for k, v in obj.items():
+                items.append(_encode(k, slot, depth))
+                items.append(_encode(v, slot, depth))
+            return ["m", pickled_cls, items]
+    rebuilt = _rebuilt(obj)
+    if rebuilt is not None:
+        return ["o", rebuilt[0], _encode(rebuilt[1], slot, depth)]
     return ["P", _pickled(obj)]
 
 
@@ -101,12 +156,83 @@ def _short(obj: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# The caches below hold classes, looked up once per batch: bounded, since a program may
+# make classes on the fly (a namedtuple per call).
+
+@functools.lru_cache(maxsize=256)
+def _class_bytes(cls: type) -> bytes | None:
+    """``cls`` pickled (by reference: module and name), or None when it cannot be (a local
+    class), so that its instances are pickled whole, or say why they cannot be."""
+    try:
+        return pickle.dumps(cls, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - the caller falls back to pickling the instance
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _class_from(pickled: bytes) -> Any:
+    return pickle.loads(pickled)
+
+
+@functools.lru_cache(maxsize=256)
 def _rebuildable_mapping(cls: type) -> bool:
     """Mapping types that ``cls(list_of_pairs)`` rebuilds (OrderedDict, yes; defaultdict, no)."""
-    import collections
-
     return cls is collections.OrderedDict or (
         issubclass(cls, dict) and cls.__init__ is dict.__init__ and cls.__new__ is dict.__new__)
+
+
+@functools.lru_cache(maxsize=256)
+def _object_class(cls: type) -> bytes | None:
+    """The pickled class if its instances travel as ``"o"``, else None.
+
+    UserDicts and dataclasses whose class pickle would rebuild as ``cls.__new__(cls)`` plus
+    the instance's state; a class that says otherwise (``__reduce__``, ``__getnewargs__``,
+    its own ``__new__``) has its instances pickled whole.
+    """
+    if not (issubclass(cls, collections.UserDict) or dataclasses.is_dataclass(cls)):
+        return None
+    if (cls.__reduce_ex__ is not object.__reduce_ex__ or cls.__reduce__ is not object.__reduce__
+            or cls.__new__ is not object.__new__
+            or hasattr(cls, "__getnewargs_ex__") or hasattr(cls, "__getnewargs__")):
+        return None
+    return _class_bytes(cls)
+
+
+def _rebuilt(obj: Any) -> tuple[bytes, Any] | None:
+    """(pickled class, state) when ``obj`` travels as ``"o"``, else None.
+
+    The state is what pickle would keep: ``__getstate__()``, the instance ``__dict__``
+    unless the class says otherwise (``BatchEncoding`` keeps its data and encodings).
+    """
+    cls: type = type(obj)
+    pickled_cls = _object_class(cls)
+    if pickled_cls is None:
+        return None
+    try:
+        state = obj.__getstate__()
+    except Exception:  # noqa: BLE001 - pickling the whole object then says what is wrong
+        return None
+    return pickled_cls, state
+
+
+def _rebuild(cls: Any, state: Any) -> Any:
+    """An instance of ``cls`` with ``state``, as pickle would make it (no ``__init__``)."""
+    obj = cls.__new__(cls)
+    # Looked up on the class: an instance's __getattr__ (BatchEncoding's reads self.data)
+    # must not run before the state is in.
+    setstate = getattr(cls, "__setstate__", None)
+    if setstate is not None:
+        setstate(obj, state)
+        return obj
+    slots = None
+    if isinstance(state, tuple) and len(state) == 2:  # (__dict__, __slots__ values)
+        state, slots = state
+    if state:
+        obj.__dict__.update(state)  # not setattr: a frozen dataclass refuses it
+    if slots:
+        for name, value in slots.items():
+            object.__setattr__(obj, name, value)
+    return obj
 
 
 TensorAt = Callable[[int, torch.dtype, list[int]], torch.Tensor]
@@ -141,13 +267,17 @@ def decode(tree: Any, tensor_at: TensorAt) -> Any:
         return [decode(v, tensor_at) for v in tree[1]]
     if tag == "t":
         return tuple(decode(v, tensor_at) for v in tree[1])
-    if tag == "n":
-        return pickle.loads(tree[1])(*(decode(v, tensor_at) for v in tree[2]))
-    if tag == "m":
-        items = tree[2]
-        return pickle.loads(tree[1])(
-            [(decode(items[i], tensor_at), decode(items[i + 1], tensor_at))
-             for i in range(0, len(items), 2)])
+    if tag == "s":
+        return tree[1].decode("utf-8", "surrogatepass")
     if tag == "P":
         return pickle.loads(tree[1])
+    if tag == "o":
+        return _rebuild(_class_from(tree[1]), decode(tree[2], tensor_at))
+    if tag == "n":
+        return _class_from(tree[1])(*(decode(v, tensor_at) for v in tree[2]))
+    if tag == "m":
+        items = tree[2]
+        return _class_from(tree[1])(
+            [(decode(items[i], tensor_at), decode(items[i + 1], tensor_at))
+             for i in range(0, len(items), 2)])
     raise ValueError(f"corrupt batch tree: unknown tag {tag!r}")

@@ -141,7 +141,8 @@ class LocalStream(_InProcess):
                  seed_for: Callable[[int], int], first_pass: int, rank: int,
                  world_size: int) -> None:
         super().__init__()
-        self._open = lambda: open_shard(source, kind, data_path, 0, 1, rank, world_size)
+        self._open: Callable[[], Any] = lambda: open_shard(source, kind, data_path, 0, 1,
+                                                            rank, world_size)
         self._options = options
         self._collate = collate_with(collate_fn)
         self._seed_for = seed_for

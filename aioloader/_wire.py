@@ -14,8 +14,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from ._errors import FrameTooLargeError
+
 _LEN = struct.Struct("!I")
-MAX_FRAME = 1 << 31
+MAX_FRAME = 1 << 31  # bytes in one message body; the 4-byte length could say up to 4 GiB
 
 
 class Tag(enum.IntEnum):
@@ -109,11 +111,39 @@ _TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (Release, Task, Batch, P
 
 
 def encode(msg: Message) -> bytes:
-    """One framed message."""
+    """One framed message; FrameTooLargeError if its body would exceed ``MAX_FRAME``."""
     # Not dataclasses.astuple: it deep-copies, and this runs once per batch.
     fields = [getattr(msg, name) for name in msg.__slots__]
-    body: bytes = msgpack.packb([int(msg.TAG), *fields], use_bin_type=True)
+    try:
+        body: bytes = msgpack.packb([int(msg.TAG), *fields], use_bin_type=True)
+    except UnicodeEncodeError:
+        if not isinstance(msg, Failed):
+            raise
+        # An error's text may hold surrogate escapes (an undecodable file name in its
+        # message); it is there to be read, so escape them rather than lose the report.
+        body = msgpack.packb([int(msg.TAG), _readable(msg.error_repr),
+                              _readable(msg.traceback), msg.pickled], use_bin_type=True)
+    except ValueError as exc:  # msgpack: "bytes is too large", a value of 4 GiB or more
+        if "too large" not in str(exc).lower():
+            raise
+        raise FrameTooLargeError(_too_large(msg, None)) from exc
+    if len(body) > MAX_FRAME:
+        raise FrameTooLargeError(_too_large(msg, len(body)))
     return _LEN.pack(len(body)) + body
+
+
+def _readable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _too_large(msg: Message, size: int | None) -> str:
+    took = f"takes {size} bytes" if size is not None else "holds a value of 4 GiB or more"
+    if isinstance(msg, Batch):
+        return (f"batch {msg.seq} cannot be sent: its message {took}, over the limit of "
+                f"{MAX_FRAME} bytes. A batch's non-tensor values (strings, lists, numbers, "
+                f"pickled objects) travel in that message; put large data in tensors, which "
+                f"travel through shared memory")
+    return f"a {type(msg).__name__} message {took}, over the limit of {MAX_FRAME} bytes"
 
 
 def decode(body: bytes | memoryview) -> Message:
@@ -134,6 +164,7 @@ class FrameReader:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Message]:
+        """The messages completed by ``data``; FrameTooLargeError on a corrupt length."""
         self._buf += data
         out: list[Message] = []
         view = memoryview(self._buf)
@@ -141,6 +172,10 @@ class FrameReader:
         try:
             while len(view) - pos >= _LEN.size:
                 (size,) = _LEN.unpack_from(view, pos)
+                if size > MAX_FRAME:  # no writer sends that: waiting for it would never end
+                    raise FrameTooLargeError(
+                        f"a frame says it holds {size} bytes, over the limit of {MAX_FRAME}: "
+                        f"the stream is corrupt or out of step, and cannot be read further")
                 end = pos + _LEN.size + size
                 if end > len(view):
                     break

@@ -108,3 +108,12 @@ def test_a_batch_larger_than_its_slot_says_how_much_it_needs():
         assert full.needed >= 200_000
     finally:
         arena.close()
+
+
+def test_a_failure_whose_text_holds_surrogates_is_still_reported():
+    # str(exc) of ValueError(f"bad file {name}") keeps an undecodable name's surrogates
+    msg = wire.Failed("ValueError('caf\\udce9.jpg')", "ValueError: bad file caf\udce9.jpg\n",
+                      b"pickled")
+    got = wire.FrameReader().feed(wire.encode(msg))
+    assert got == [wire.Failed(msg.error_repr, "ValueError: bad file caf\\udce9.jpg\n",
+                               b"pickled")]
