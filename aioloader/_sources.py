@@ -81,11 +81,13 @@ def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int
                world_size: int) -> tuple[int, int]:
     """(index, count): this process keeps instances index, index + count, ...
 
-    Readers are sharded by the loader unless they say they shard themselves; an
-    IterableDataset shards itself the torch way (``torch.utils.data.get_worker_info()``)
-    across workers, as it would under torch's DataLoader.
+    Readers are sharded by the loader unless they say they shard themselves. An
+    IterableDataset is never split (torch's rule): it shards itself, across workers with
+    ``torch.utils.data.get_worker_info()`` and across ranks as it sees fit, or is read whole.
     """
-    manual_workers = getattr(source, "manual_multiprocess_sharding", kind is Kind.ITERABLE)
+    if kind is Kind.ITERABLE:
+        return 0, 1
+    manual_workers = getattr(source, "manual_multiprocess_sharding", False)
     manual_ranks = getattr(source, "manual_distributed_sharding", False)
     index, count = 0, 1
     if not manual_ranks and world_size > 1:
