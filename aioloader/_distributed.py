@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,7 @@ def shard_indices(n: int, rank: int, world: int, *, even: bool, drop_last: bool,
     return shard
 
 
-def even_out(batches: list[list[int]], target: int) -> list[list[int]]:
+def even_out(batches: Sequence[list[int]], target: int) -> Sequence[list[int]]:
     """``batches`` repeated from the start until there are ``target`` of them."""
     if not batches or len(batches) >= target:
         return batches

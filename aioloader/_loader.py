@@ -7,7 +7,7 @@ import os
 import random
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -339,7 +339,7 @@ class DataLoader:
 
         target: list[int] = []  # agreed once per cache, by the first plan of the session
 
-        def agreed(pass_no: int) -> list[list[int]]:  # in a thread, never from len()
+        def agreed(pass_no: int) -> Sequence[list[int]]:  # in a thread, never from len()
             if not target:
                 target.append(all_reduce(topo, count_batches(spec, data, shared=False), "max"))
             return plan_epoch(spec, data, pass_no, shared=False, target_batches=target[0])

@@ -95,7 +95,7 @@ def plan_epoch(
     *,
     shared: bool,
     target_batches: int | None = None,
-) -> list[list[int]]:
+) -> Sequence[list[int]]:
     """The index batches of epoch `epoch` on rank `spec.rank`; pure and thread-safe.
 
     `shared`: `data` is the same on every rank (a map-style dataset); False: it is this
@@ -119,6 +119,7 @@ def plan_epoch(
         plan_epoch(PlanSpec(batch_size=2, shuffle=True, seed=1), dataset, 3, shared=True)
     """
     policy = sharding(spec, shared=shared)
+    batches: Sequence[list[int]]
     if policy is Sharding.AS_IS:
         batches = _user_batches(spec.sampler, epoch)
     elif spec.sampler is not None:

@@ -22,7 +22,7 @@ from ._session import Activity, PassDone, Step
 from ._sources import Kind, fetch, is_async, open_shard
 from ._supervisor import Delivered, Ended, Supervisor
 
-Plan = Callable[[int], list[list[int]]]  # pass number -> index batches (blocking; a thread)
+Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking: a thread)
 INSTANCE_CHUNK = 64
 
 
@@ -56,16 +56,16 @@ class _Plans:
     def __init__(self, plan: Plan, first_pass: int) -> None:
         self._plan = plan
         self._pass = first_pass
-        self._batches: collections.deque[list[int]] | None = None
+        self._batches: Sequence[list[int]] | None = None  # lazy: a batch is made when due
         self._produced = 0
 
     async def next(self) -> list[int] | PassDone:
         if self._batches is None:
-            self._batches = collections.deque(await asyncio.to_thread(self._plan, self._pass))
+            self._batches = await asyncio.to_thread(self._plan, self._pass)
             self._produced = 0
-        if self._batches:
+        if self._produced < len(self._batches):
             self._produced += 1
-            return self._batches.popleft()
+            return self._batches[self._produced - 1]
         done = PassDone(self._produced == 0)
         self._batches = None
         self._pass += 1

@@ -8,7 +8,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import torch
@@ -84,7 +84,6 @@ def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
     return n // batch_size if drop_last else -(-n // batch_size)
 
 
-_TOLIST_BLOCK = 1 << 16
 
 
 def torch_generator(seed: int) -> torch.Generator:
@@ -94,21 +93,55 @@ def torch_generator(seed: int) -> torch.Generator:
     return generator
 
 
-def split_batches(order: torch.Tensor, batch_size: int, drop_last: bool) -> list[list[int]]:
+class Batches(Sequence[list[int]]):
+    """A 1-D index tensor seen as batches of ``batch_size``: each batch becomes a list only
+    when it is asked for.
+
+    An epoch of 2,000,000 indices as 62,500 Python lists costs ~100 ms to build and sets off
+    a full garbage collection that holds the GIL for another ~250 ms (the event loop waits
+    for it, issue 9); as a tensor the plan is O(1) to hold and O(batch) per batch. Compares
+    equal to the list of its batches.
+    """
+
+    def __init__(self, order: torch.Tensor, batch_size: int, drop_last: bool) -> None:
+        _check_batch_size(batch_size)
+        n = order.numel()
+        self._order = order
+        self._batch_size = batch_size
+        self._len = n // batch_size if drop_last else -(-n // batch_size)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[int]]: ...
+    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"batch {i} of {self._len}")
+        start = i * self._batch_size
+        batch: list[int] = self._order[start:start + self._batch_size].tolist()
+        return batch
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Batches):
+            other = list(other)
+        return isinstance(other, list) and list(self) == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+def split_batches(order: torch.Tensor, batch_size: int, drop_last: bool) -> Batches:
     """A 1-D index tensor cut into batches of `batch_size`; drop_last drops a short last one."""
-    _check_batch_size(batch_size)
-    n = order.numel()
-    full = n - n % batch_size
-    # C-level tolist() on (k, batch_size) blocks: slicing a 2M-item list in Python costs more
-    # than the shuffle. Blocks of ~64K indices, because tolist() holds the GIL throughout and
-    # the event loop may be waiting on the thread that plans (issue 9).
-    step = max(1, _TOLIST_BLOCK // batch_size) * batch_size
-    batches: list[list[int]] = []
-    for start in range(0, full, step):
-        batches += order[start : min(start + step, full)].reshape(-1, batch_size).tolist()
-    if full < n and not drop_last:
-        batches.append(order[full:].tolist())
-    return batches
+    return Batches(order, batch_size, drop_last)
 
 
 def index_batches(
@@ -128,9 +161,9 @@ def index_batches(
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if not shuffle:
-        return split_batches(torch.arange(n), batch_size, drop_last)
+        return list(split_batches(torch.arange(n), batch_size, drop_last))
     generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))
-    return split_batches(torch.randperm(n, generator=generator), batch_size, drop_last)
+    return list(split_batches(torch.randperm(n, generator=generator), batch_size, drop_last))
 
 
 def buffered_shuffle(items: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:
