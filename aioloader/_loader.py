@@ -16,7 +16,7 @@ from ._device import DeviceLike, as_device, move_to
 from ._distributed import all_reduce, topology
 from ._errors import LoaderBusyError
 from ._pipeline import BatchOptions
-from ._planning import PlanSpec, count_batches, plan_epoch, seed_for
+from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, seed_for, sharding
 from ._producers import (
     CachedInstances,
     LocalIndex,
@@ -326,7 +326,9 @@ class DataLoader:
             return LocalIndex(data, plan, first_pass, self.collate_fn,
                               inline=self.timeout is None)
         sup = self._supervisor("index", data, Kind.MAP, first_pass)
-        return WorkerIndex(sup, plan, first_pass, self.prefetch)
+        return WorkerIndex(sup, plan, first_pass, self.prefetch,
+                           plan_ahead=sharding(self._plan_spec, shared=True) is not
+                           Sharding.AS_IS)
 
     def _map_plan(self) -> Plan:
         spec, data = self._plan_spec, self.reader

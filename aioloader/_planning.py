@@ -41,7 +41,7 @@ __all__ = [
     "worker_seed",
 ]
 
-# set_epoch() then iteration must not interleave with another thread's on the same sampler.
+# Two threads must not iterate one user sampler at once.
 _SAMPLER_LOCK = threading.Lock()
 
 
@@ -107,10 +107,9 @@ def plan_epoch(
       `even_batches` every rank gets ceil(n/world) samples by wrapping (floor with
       drop_last). An `aioloader.BatchSampler` batches this rank's share (r, r+world, ...).
     - LOCAL: the data is planned whole, never split again.
-    - AS_IS: a user's sampler, never split again. If it has `set_epoch` (a torch
-      `BatchSampler` whose `.sampler` has it counts: a DistributedSampler), it is called
-      with `epoch` before iterating, as Lightning and accelerate do; this is the only side
-      effect.
+    - AS_IS: a user's sampler, never split again and iterated as it stands: as with
+      torch's DataLoader, calling its `set_epoch` (a DistributedSampler's) is the user's
+      job, so the plan is made when the epoch starts, never ahead.
 
     `target_batches`: pad with batches repeated from the start up to this count (the count
     ranks agreed on for `even_batches` over cached readers); never truncates.
@@ -203,12 +202,10 @@ def _sampler_batches(
 
 
 def _user_batches(sampler: Any, epoch: int) -> list[list[int]]:
+    # The user's sampler is iterated as it stands: like torch's DataLoader, the loader never
+    # calls its set_epoch (a script that resumes calls sampler.set_epoch(5) itself, and the
+    # loader's own pass count must not undo it). The plan is made when its epoch starts.
     with _SAMPLER_LOCK:
-        for owner in (sampler, getattr(sampler, "sampler", None)):
-            set_epoch = getattr(owner, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-                break
         batches: list[list[int]] = []
         for batch in sampler:
             try:

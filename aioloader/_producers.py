@@ -51,9 +51,15 @@ def _unpickle_cached(data: bytes) -> CachedInstances:
 
 
 class _Plans:
-    """Index batches, pass after pass; each pass is planned in a thread, off the loop."""
+    """Index batches, pass after pass; each pass is planned in a thread, off the loop.
 
-    def __init__(self, plan: Plan, first_pass: int) -> None:
+    ``ahead``: a pass may be planned before the previous one is consumed. True for the
+    loader's own sampling (a pure function of seed and pass); False for a user's sampler,
+    whose ``set_epoch`` the user calls between epochs.
+    """
+
+    def __init__(self, plan: Plan, first_pass: int, *, ahead: bool = True) -> None:
+        self.ahead = ahead
         self._plan = plan
         self._pass = first_pass
         self._batches: Sequence[list[int]] | None = None  # lazy: a batch is made when due
@@ -386,21 +392,23 @@ class WorkerIndex(_OnWorkers):
     ``slots`` requests are outstanding per worker, which is also how many slots it has.
     """
 
-    def __init__(self, sup: Supervisor, plan: Plan, first_pass: int, slots: int) -> None:
+    def __init__(self, sup: Supervisor, plan: Plan, first_pass: int, slots: int, *,
+                 plan_ahead: bool = True) -> None:
         self.sup = sup
         self.n = sup.num_workers
-        self._plans = _Plans(plan, first_pass)
+        self._plans = _Plans(plan, first_pass, ahead=plan_ahead)
         self._window = self.n * slots
         self._queue: collections.deque[_InFlight | PassDone] = collections.deque()
         self._seq = 0
 
     async def _fill(self) -> None:
         while len(self._queue) < self._window:
+            if self._queue and isinstance(self._queue[-1], PassDone) and (
+                    self._queue[-1].empty or not self._plans.ahead):
+                return  # the next pass is planned once this one is consumed
             step = await self._plans.next()
             if isinstance(step, PassDone):
                 self._queue.append(step)
-                if step.empty:
-                    return  # an empty pass: never plan ahead without end
                 continue
             w = self._seq % self.n
             self.sup.request(w, self._seq, step)

@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import multiprocessing.process
 import os
 import pickle
 import socket
@@ -163,7 +164,9 @@ class Supervisor:
         try:
             for w in self.workers:
                 assert w.starting is not None
-                await asyncio.wrap_future(w.starting)
+                # Shielded: cancelling the wait must not cancel a start still queued in the
+                # starter thread (its child socket would never be closed); reaping waits.
+                await asyncio.shield(asyncio.wrap_future(w.starting))
         except BaseException:
             await self.aclose(0.0)
             raise
@@ -254,8 +257,11 @@ class Supervisor:
             self._loop.remove_reader(w.process.sentinel)
             w.exited = True
             self._drain(w)  # a Failed message sent just before exiting comes first
-            if self.failure is None and not self.closed:
-                w.process.join(GRACE)
+            if self.failure is None and not self.closed and self._reaping.acquire(False):
+                try:  # one thread at a time waits for a child's status: not while reaping
+                    w.process.join(GRACE)
+                finally:
+                    self._reaping.release()
                 self._fail(WorkerDied(w.id, w.pid, w.process.exitcode))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, see _on_readable
             self._fail(WorkerDied(w.id, w.pid, w.process.exitcode))
@@ -400,6 +406,11 @@ def _start_process(w: WorkerState, child: socket.socket) -> None:
     try:
         w.process.start()
         w.started = True
+        # multiprocessing polls every child it knows of whenever any process starts
+        # (process._cleanup): another loader's start would then race our reaping for the
+        # exit status (waitpid), and Process.close() could find "still running". The
+        # supervisor alone reaps its workers.
+        multiprocessing.process._children.discard(w.process)  # type: ignore[attr-defined]
     finally:
         child.close()
 

@@ -33,7 +33,8 @@ class NumbersDataset(Dataset[dict[str, int]]):
 
 
 class TorchSharded(IterableDataset[dict[str, int]]):
-    """Shards itself across workers the torch way; ranks are the loader's business."""
+    """Shards itself across ranks and workers, as datasets.split_dataset_by_node does: the
+    loader never splits an IterableDataset (torch's rule)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -41,7 +42,8 @@ class TorchSharded(IterableDataset[dict[str, int]]):
     def __iter__(self):  # type: ignore[no-untyped-def]
         info = torch.utils.data.get_worker_info()
         wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
-        return iter({"index": i} for i in range(wid, self.n, nw))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        return iter({"index": i} for i in range(rank * nw + wid, self.n, world * nw))
 
 
 def rank_main(rank: int, world: int, port: int, out_dir: str, n: int) -> None:

@@ -59,6 +59,8 @@ def test_kill_9_main_process(method: str, lazy: bool) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ctrl_c_mid_epoch(mode: str) -> None:
+    # No race with the epoch: the victim reports on its stdout pipe once a batch arrived,
+    # and its first epoch cannot end before the SIGINT (its workers stall; see the script).
     proc = start_script("sigint_target.py", mode)
     info = read_line(proc, timeout=45)
     assert info.get("workers"), info

@@ -2,6 +2,12 @@
 
 usage: sigint_target.py sync|async
 Prints {"pid", "workers"} once the first batch arrived, then {"ok": true, ...} at the end.
+
+The interrupted epoch cannot end before the SIGINT comes, however busy the machine: its
+workers stall (sleep for an hour) a few instances into the pass, after the batch that
+triggers the report. The test sends SIGINT only once it has read that report from the
+pipe, so nothing races. The second epoch runs on workers forked after the interrupt, from
+the reader with the stall switched off.
 """
 
 import asyncio
@@ -14,6 +20,7 @@ import aioloader
 from aioloader.testing import SlowReader, descendants, is_alive, is_helper
 
 N = 800
+STALL_AT = 8  # the instance (of the whole pass) before which the first epoch's workers stall
 REPORTED: list[int] = []  # the workers of the epoch that gets interrupted
 
 
@@ -43,7 +50,10 @@ def epoch_sync(loader: aioloader.DataLoader, report: bool) -> list[int]:
 
 def main() -> None:
     mode = sys.argv[1]
-    loader = aioloader.DataLoader(SlowReader(N, delay=0.002), batch_size=4, num_workers=2,
+    # Each worker keeps every other instance: by instance STALL_AT both have sent a batch of
+    # 4, so the report (after 4 instances) comes before any worker stalls.
+    reader = SlowReader(N, delay=0.002, stall_at=STALL_AT, stall=3600.0)
+    loader = aioloader.DataLoader(reader, batch_size=4, num_workers=2,
                                   max_instances_in_memory=16, quiet=True)
     run = (lambda report: asyncio.run(epoch_async(loader, report))) if mode == "async" else (
         lambda report: epoch_sync(loader, report))
@@ -53,6 +63,7 @@ def main() -> None:
         return
     except KeyboardInterrupt:
         pass
+    reader.stall_at = None  # fork: the next epoch's workers see the reader as it is now
     # Every worker of the interrupted epoch is gone (reaped) by the time we are here.
     alive = [p for p in REPORTED if is_alive(p)]
     t0 = time.monotonic()
