@@ -10,30 +10,17 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-import torch
-
-from ._device import DeviceLike, as_device, move_to
+from ._device import DeviceLike, as_device
 from ._distributed import all_reduce, topology
-from ._errors import LoaderBusyError
+from ._epoch import Epoch, backstop
 from ._pipeline import BatchOptions
 from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, seed_for, sharding
-from ._producers import (
-    CachedInstances,
-    LocalIndex,
-    LocalInstances,
-    LocalStream,
-    Plan,
-    WorkerIndex,
-    WorkerInstances,
-    WorkerStream,
-)
+from ._producers import CachedInstances, Plan, Setup
 from ._samplers import BatchSampler
 from ._session import PassDone, Producer, Session
 from ._sources import Kind, classify
-from ._supervisor import GRACE, Supervisor
+from ._supervisor import GRACE
 from ._sync import Portal, SyncLoader, running_loop
-from ._worker import Plan as Role
-from ._worker import WorkerSpec
 
 START_METHODS = ("fork", "spawn", "forkserver")
 
@@ -57,39 +44,6 @@ class _Box:
         if session is not None:
             session.kill()
         self.portal.close()
-
-
-# Every pending backstop of this process. A forked child drops them all (register_at_fork
-# below), so that a loader collected there never touches the parent's workers (issue 9).
-_BACKSTOPS: set[weakref.finalize[Any, Any]] = set()
-
-
-def _backstop(obj: object, fn: Callable[..., None], *args: Any) -> weakref.finalize[Any, Any]:
-    """``weakref.finalize(obj, fn, *args)``, dropped in forked children."""
-    holder: list[weakref.finalize[Any, Any]] = []
-
-    def run() -> None:
-        _BACKSTOPS.discard(holder[0])
-        fn(*args)
-
-    finalizer = weakref.finalize(obj, run)
-    holder.append(finalizer)
-    _BACKSTOPS.add(finalizer)
-    return finalizer
-
-
-def _drop_backstop(finalizer: weakref.finalize[Any, Any]) -> None:
-    finalizer.detach()
-    _BACKSTOPS.discard(finalizer)
-
-
-def _forget_backstops_in_child() -> None:
-    for finalizer in list(_BACKSTOPS):
-        finalizer.detach()
-    _BACKSTOPS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_backstops_in_child)
 
 
 class DataLoader:
@@ -170,18 +124,23 @@ class DataLoader:
                                    sampler=batch_sampler, seed=self._base_seed,
                                    rank=self._topo.rank, world_size=self._topo.world_size,
                                    even_batches=even_batches)
+        self._setup = Setup(
+            source=reader, kind=self._kind, data_path=data_path, options=self._options,
+            collate_fn=collate_fn, num_workers=num_workers, start_method=start_method,
+            prefetch=prefetch, zero_copy=zero_copy, seed=self._base_seed,
+            rank=self._topo.rank, world_size=self._topo.world_size, inline_ok=timeout is None)
         self._cache: CachedInstances | None = None
         self._next_pass = 0  # the pass the session's stream is at
         self._session_pass = 0  # the pass the current session started with
         self._lock = threading.Lock()
-        self._epoch: weakref.ref[_Epoch] | None = None  # the epoch in progress, if any
+        self._epoch: weakref.ref[Epoch] | None = None  # the epoch in progress, if any
         self._box = _Box()
-        _backstop(self, self._box.kill)
+        backstop(self, self._box.kill)
 
     # ------------------------------------------------------------------ public
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return _Epoch(self, self._device, private=False)
+        return Epoch(self, self._device, private=False)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.sync())
@@ -189,7 +148,7 @@ class DataLoader:
     def sync(self, device: DeviceLike | None = None) -> SyncLoader:
         """The synchronous face: ``for batch in loader.sync(device="cuda:0")``."""
         target = as_device(device) if device is not None else self._device
-        return SyncLoader(self._box.portal, lambda: _Epoch(self, target, private=True),
+        return SyncLoader(self._box.portal, lambda: Epoch(self, target, private=True),
                           self.__len__, target)
 
     def set_target_device(self, device: DeviceLike | None) -> None:
@@ -311,24 +270,15 @@ class DataLoader:
 
     async def _producer(self, first_pass: int) -> Producer:
         if self._kind is not Kind.MAP and self.max_instances_in_memory is not None:
-            if self.num_workers == 0:
-                return LocalStream(self.reader, self._kind, self.data_path, self._options,
-                                   self.collate_fn, self._stream_seed, first_pass,
-                                   self._topo.rank, self._topo.world_size)
-            return WorkerStream(self._supervisor("stream", self.reader, self._kind, first_pass))
+            return self._setup.stream(first_pass, self._stream_seed)
         if self._kind is Kind.MAP:
             data: Any = self.reader
             plan = self._map_plan()
         else:
             data = await self._ensure_cache()
             plan = self._cached_plan(data)
-        if self.num_workers == 0:
-            return LocalIndex(data, plan, first_pass, self.collate_fn,
-                              inline=self.timeout is None)
-        sup = self._supervisor("index", data, Kind.MAP, first_pass)
-        return WorkerIndex(sup, plan, first_pass, self.prefetch,
-                           plan_ahead=sharding(self._plan_spec, shared=True) is not
-                           Sharding.AS_IS)
+        ahead = sharding(self._plan_spec, shared=True) is not Sharding.AS_IS
+        return self._setup.index(data, plan, first_pass, plan_ahead=ahead)
 
     def _map_plan(self) -> Plan:
         spec, data = self._plan_spec, self.reader
@@ -351,16 +301,6 @@ class DataLoader:
     def _stream_seed(self, pass_no: int) -> int:
         return seed_for(self._plan_spec, pass_no)
 
-    def _supervisor(self, plan: Role, source: Any, kind: Kind, first_pass: int) -> Supervisor:
-        spec = WorkerSpec(
-            source=source, kind=kind, data_path=self.data_path, plan=plan,
-            options=self._options, collate_fn=self.collate_fn, worker_id=0,
-            num_workers=self.num_workers, rank=self._topo.rank,
-            world_size=self._topo.world_size, seed=self._base_seed, first_pass=first_pass,
-            slots=self.prefetch,
-            parent_pid=os.getpid() if self.start_method != "forkserver" else 0)
-        return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
-
     # ------------------------------------------------------------------ reading
 
     async def _ensure_cache(self) -> CachedInstances:
@@ -377,14 +317,7 @@ class DataLoader:
 
     async def _read_pass(self) -> AsyncIterator[list[Any]]:
         """One pass of instances, in chunks: in this process, or through workers (sharded)."""
-        producer: Producer
-        if self.num_workers == 0:
-            producer = LocalInstances(self.reader, self._kind, self.data_path,
-                                      self._topo.rank, self._topo.world_size)
-        else:
-            producer = WorkerInstances(
-                self._supervisor("instances", self.reader, self._kind, self._next_pass))
-        session = Session(producer)
+        session = Session(self._setup.instances(self._next_pass))
         try:
             await session.start()
             session.attach()
@@ -395,153 +328,6 @@ class DataLoader:
                 yield step.value
         finally:
             await session.aclose()
-
-
-class _Epoch:
-    """One epoch of iteration: an async iterator, deliberately not an async generator.
-
-    Dropping it half-way (``break``, ``next(iter(loader))``) is seen at once through a weak
-    reference, so the next epoch never waits for the loop to finalize a generator; its
-    workers are stopped by the next epoch, a close, or the loader's backstop.
-    """
-
-    def __init__(self, loader: DataLoader, device: torch.device | None, *,
-                 private: bool) -> None:
-        self._loader = loader
-        self._device = device
-        self._private = private  # driven by the sync adapter's own loop
-        self._session: Session | None = None
-        self._produced = 0
-        self._done = False
-        self._bar: Any = None
-        self._backstop: weakref.finalize[Any, Any] | None = None
-
-    def __aiter__(self) -> _Epoch:
-        return self
-
-    async def _begin(self) -> Session:
-        loader = self._loader
-        with loader._lock:
-            current = loader._epoch() if loader._epoch is not None else None
-            if current is not None and current is not self:
-                raise LoaderBusyError(
-                    "this loader is already being iterated: finish or close that epoch "
-                    "first (`await loader.aclose()`), or make a second DataLoader")
-            dropped = loader._epoch is not None  # an earlier epoch was dropped half-way
-            loader._epoch = weakref.ref(self)
-        if dropped and loader._box.session is not None:
-            await loader._drop_session(loader._box.session)
-        session = await loader._session()
-        session.attach(private=self._private)
-        self._session = session
-        self._backstop = _backstop(self, _close_dropped, weakref.ref(loader), session)
-        self._bar = _bar(loader)
-        return session
-
-    async def __anext__(self) -> Any:
-        if self._done:
-            raise StopAsyncIteration
-        loader = self._loader
-        try:
-            session = self._session or await self._begin()
-            while True:
-                if loader.batches_per_epoch is not None and (
-                        self._produced >= loader.batches_per_epoch):
-                    break
-                step = await session.next(loader.timeout)
-                if _agree_each_batch(loader) and not await _all_have(loader, step):
-                    while not isinstance(step, PassDone):  # the others are done: skip ours
-                        step = await session.next(loader.timeout)
-                    loader._next_pass += 1
-                    loader._session_pass += 1
-                    break
-                if isinstance(step, PassDone):
-                    loader._next_pass += 1
-                    loader._session_pass += 1
-                    if loader.batches_per_epoch is None or step.empty:
-                        break
-                    continue
-                self._produced += 1
-                self._bar.update(1)
-                if not self._private:
-                    # Batches that were already waiting would otherwise come back to back
-                    # without the loop running anything else in between.
-                    await asyncio.sleep(0)
-                return step.value if self._device is None else move_to(step.value,
-                                                                       self._device)
-        except BaseException as exc:
-            # After an error nobody waits for the workers' last words: no grace.
-            await self._finish(stop=True, grace=0.0 if isinstance(exc, Exception) else GRACE)
-            raise
-        await self._finish(stop=False)
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        """Stop a half-consumed epoch and its workers (the loader can be iterated again)."""
-        if not self._done:
-            await self._finish(stop=self._session is not None)
-
-    async def _finish(self, *, stop: bool, grace: float = GRACE) -> None:
-        self._done = True
-        if self._backstop is not None:
-            _drop_backstop(self._backstop)
-        if self._bar is not None:
-            self._bar.close()
-        loader, session = self._loader, self._session
-        with loader._lock:
-            if loader._epoch is not None and loader._epoch() is self:
-                loader._epoch = None
-        if session is None:
-            return
-        if stop:
-            await loader._drop_session(session, grace)
-        elif not session.closed:
-            session.detach()
-
-
-_CLOSING: set[asyncio.Task[None]] = set()  # closes of dropped epochs, until they are done
-
-
-def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> None:
-    """An epoch was dropped half-way: stop its workers on its loop, if that loop runs.
-
-    Otherwise (the sync adapter's loop between two calls) the next epoch, a close or the
-    loader's backstop does it.
-    """
-    loop = session.loop
-    if os.getpid() != session.owner_pid or loop is None or not loop.is_running():
-        return
-
-    def spawn() -> None:
-        loader = loader_ref()
-        closing = loader._drop_session(session) if loader is not None else session.aclose()
-        task = loop.create_task(closing)
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
-
-    loop.call_soon_threadsafe(spawn)
-
-
-def _bar(loader: DataLoader) -> Any:
-    from tqdm.auto import tqdm
-
-    total = loader.batches_per_epoch
-    if total is None and (loader._kind is Kind.MAP or loader._cache is not None):
-        total = len(loader)
-    return tqdm(total=total, disable=loader.quiet, desc="batches", unit="batch",
-                dynamic_ncols=True)
-
-
-def _agree_each_batch(loader: DataLoader) -> bool:
-    """Streams have no length: with even_batches, ranks agree batch by batch."""
-    return (loader._topo.distributed and loader.even_batches
-            and loader.batches_per_epoch is None and loader._kind is not Kind.MAP
-            and loader.max_instances_in_memory is not None)
-
-
-async def _all_have(loader: DataLoader, step: Any) -> bool:
-    have = 0 if isinstance(step, PassDone) else 1
-    return bool(await asyncio.to_thread(all_reduce, loader._topo, have, "min"))
 
 
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,

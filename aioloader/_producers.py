@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
+import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ._pipeline import BatchOptions, PassBatcher, collate_with, sync_batches
-from ._session import Activity, PassDone, Step
+from ._session import Activity, PassDone, Producer, Step
 from ._sources import Kind, fetch, is_async, open_shard
 from ._supervisor import Delivered, Ended, Supervisor
+from ._worker import Plan as Role
+from ._worker import WorkerSpec
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking: a thread)
 INSTANCE_CHUNK = 64
+T = TypeVar("T")
 
 
 class CachedInstances(Sequence[Any]):
@@ -81,14 +86,32 @@ class _Plans:
 # ---------------------------------------------------------------------- in this process
 
 class _InProcess:
-    """No workers: nothing to start, watch or reap."""
+    """No workers: nothing to start, watch or reap; blocking work runs in one thread.
+
+    One dedicated thread, not asyncio's default executor: that one alternates between its
+    threads, each with its own malloc arena (a freed 9.6 MB batch goes back to the kernel
+    and faults in again: 250-1100 page faults a batch) and its own OpenMP team (issue 9;
+    image batches 0.57x -> 1.02x torch's num_workers=0).
+    """
 
     def __init__(self) -> None:
         self.activity = Activity()
         self.private = False  # the loop is the sync adapter's own: blocking it is fine
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         pass
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="aioloader-local")
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def stop_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=False)  # a call still running ends on its own
 
     def last_activity(self) -> float:
         return self.activity()
@@ -103,7 +126,7 @@ class _InProcess:
         self.close(grace)
 
     def close(self, grace: float) -> None:
-        pass
+        self.stop_thread()
 
 
 class LocalIndex(_InProcess):
@@ -130,7 +153,7 @@ class LocalIndex(_InProcess):
             return indices
         if self.private and self._inline_ok:
             return Delivered(self._fetch(indices))
-        return Delivered(await asyncio.to_thread(self._fetch, indices))
+        return Delivered(await self.offload(self._fetch, indices))
 
     def behind(self) -> str:
         return "the dataset in this process (num_workers=0)"
@@ -158,7 +181,8 @@ class LocalStream(_InProcess):
     async def next(self) -> Step:
         if self._pass is None:
             batcher = PassBatcher(self._options, self._seed_for(self._pass_no))
-            self._pass = _LocalPass(self._open(), batcher, self._collate, self.activity.touch)
+            self._pass = _LocalPass(self._open(), batcher, self._collate, self.activity.touch,
+                                    self.offload)
         value = await self._pass.next()
         if value is not _END:
             self._pass.produced += 1
@@ -175,11 +199,13 @@ class LocalStream(_InProcess):
         current, self._pass = self._pass, None
         if current is not None:
             await current.aclose()
+        self.stop_thread()
 
     def close(self, grace: float) -> None:
         current, self._pass = self._pass, None
         if current is not None:
             current.close()
+        self.stop_thread()
 
 
 class _LocalPass:
@@ -191,9 +217,10 @@ class _LocalPass:
     """
 
     def __init__(self, stream: Any, batcher: PassBatcher, collate: Callable[[list[Any]], Any],
-                 touch: Callable[[], None]) -> None:
+                 touch: Callable[[], None], offload: Callable[..., Awaitable[Any]]) -> None:
         self.collate = collate
         self.touch = touch
+        self.offload = offload
         self.produced = 0
         self.started = False
         self.async_it: Any = None
@@ -209,7 +236,7 @@ class _LocalPass:
     async def next(self) -> Any:
         """The next collated batch, or _END."""
         if self.sync_it is not None:
-            return await asyncio.to_thread(next, self.sync_it, _END)
+            return await self.offload(next, self.sync_it, _END)
         while not self.groups and not self.exhausted:
             try:
                 if self.started:
@@ -290,7 +317,7 @@ class LocalInstances(_InProcess):
         else:
             if self._sync is None:
                 self._sync = _touching(self._stream, self.activity.touch)
-            chunk = await asyncio.to_thread(self._chunk)
+            chunk = await self.offload(self._chunk)
         if len(chunk) < INSTANCE_CHUNK:
             self._done = True
         return Delivered(chunk)
@@ -309,6 +336,7 @@ class LocalInstances(_InProcess):
         if it is not None:
             with contextlib.suppress(ValueError):
                 it.close()  # type: ignore[attr-defined]
+        self.stop_thread()
 
 
 # ---------------------------------------------------------------------- through workers
@@ -473,3 +501,60 @@ class WorkerInstances(_OnWorkers):
 
     def behind(self) -> str:
         return self.sup.describe([self._waiting] if self._waiting is not None else self._live)
+
+
+# ---------------------------------------------------------------------- making them
+
+@dataclass(frozen=True)
+class Setup:
+    """A loader's options as data: how its producers (and their workers) are made.
+
+    The loader asks for a producer by what it wants (a stream, index batches, one pass of
+    instances); only here are worker specs built and supervisors made.
+    """
+
+    source: Any
+    kind: Kind
+    data_path: Any
+    options: BatchOptions
+    collate_fn: Callable[[list[Any]], Any] | None
+    num_workers: int
+    start_method: str
+    prefetch: int
+    zero_copy: bool
+    seed: int
+    rank: int
+    world_size: int
+    inline_ok: bool  # no timeout: the sync adapter's own loop may fetch inline
+
+    def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int) -> Supervisor:
+        spec = WorkerSpec(
+            source=source, kind=kind, data_path=self.data_path, plan=role,
+            options=self.options, collate_fn=self.collate_fn, worker_id=0,
+            num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
+            seed=self.seed, first_pass=first_pass, slots=self.prefetch,
+            parent_pid=os.getpid() if self.start_method != "forkserver" else 0)
+        return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
+
+    def stream(self, first_pass: int, seed_for: Callable[[int], int]) -> Producer:
+        """Batches of passes over a streaming source, each worker over its shard."""
+        if self.num_workers == 0:
+            return LocalStream(self.source, self.kind, self.data_path, self.options,
+                               self.collate_fn, seed_for, first_pass, self.rank,
+                               self.world_size)
+        return WorkerStream(self._supervisor("stream", self.source, self.kind, first_pass))
+
+    def index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
+              plan_ahead: bool) -> Producer:
+        """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``."""
+        if self.num_workers == 0:
+            return LocalIndex(data, plan, first_pass, self.collate_fn, inline=self.inline_ok)
+        return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
+                           first_pass, self.prefetch, plan_ahead=plan_ahead)
+
+    def instances(self, pass_no: int) -> Producer:
+        """One pass of a streaming source's instances, in chunks (to fill a cache)."""
+        if self.num_workers == 0:
+            return LocalInstances(self.source, self.kind, self.data_path, self.rank,
+                                  self.world_size)
+        return WorkerInstances(self._supervisor("instances", self.source, self.kind, pass_no))

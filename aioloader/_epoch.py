@@ -1,0 +1,207 @@
+"""One epoch of iteration, and the backstops that stop what nobody closed.
+
+An epoch is an async iterator object, deliberately not an async generator: dropping it
+half-way (``break``, ``next(iter(loader))``) is seen at once through a weak reference, and
+its backstop stops its workers on the loop it ran on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._device import move_to
+from ._distributed import all_reduce
+from ._errors import LoaderBusyError
+from ._session import PassDone, Session
+from ._sources import Kind
+from ._supervisor import GRACE
+
+if TYPE_CHECKING:
+    from ._loader import DataLoader
+
+# Every pending backstop of this process. A forked child drops them all (register_at_fork
+# below), so that a loader collected there never touches the parent's workers (issue 9).
+_BACKSTOPS: set[weakref.finalize[Any, Any]] = set()
+
+
+def backstop(obj: object, fn: Callable[..., None], *args: Any) -> weakref.finalize[Any, Any]:
+    """``weakref.finalize(obj, fn, *args)``, dropped in forked children."""
+    holder: list[weakref.finalize[Any, Any]] = []
+
+    def run() -> None:
+        _BACKSTOPS.discard(holder[0])
+        fn(*args)
+
+    finalizer = weakref.finalize(obj, run)
+    holder.append(finalizer)
+    _BACKSTOPS.add(finalizer)
+    return finalizer
+
+
+def drop_backstop(finalizer: weakref.finalize[Any, Any]) -> None:
+    finalizer.detach()
+    _BACKSTOPS.discard(finalizer)
+
+
+def _forget_backstops_in_child() -> None:
+    for finalizer in list(_BACKSTOPS):
+        finalizer.detach()
+    _BACKSTOPS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_backstops_in_child)
+
+
+class Epoch:
+    """One epoch of iteration: an async iterator, deliberately not an async generator.
+
+    Dropping it half-way (``break``, ``next(iter(loader))``) is seen at once through a weak
+    reference, so the next epoch never waits for the loop to finalize a generator; its
+    workers are stopped by the next epoch, a close, or the loader's backstop.
+    """
+
+    def __init__(self, loader: DataLoader, device: torch.device | None, *,
+                 private: bool) -> None:
+        self._loader = loader
+        self._device = device
+        self._private = private  # driven by the sync adapter's own loop
+        self._session: Session | None = None
+        self._produced = 0
+        self._done = False
+        self._bar: Any = None
+        self._backstop: weakref.finalize[Any, Any] | None = None
+
+    def __aiter__(self) -> Epoch:
+        return self
+
+    async def _begin(self) -> Session:
+        loader = self._loader
+        with loader._lock:
+            current = loader._epoch() if loader._epoch is not None else None
+            if current is not None and current is not self:
+                raise LoaderBusyError(
+                    "this loader is already being iterated: finish or close that epoch "
+                    "first (`await loader.aclose()`), or make a second DataLoader")
+            dropped = loader._epoch is not None  # an earlier epoch was dropped half-way
+            loader._epoch = weakref.ref(self)
+        if dropped and loader._box.session is not None:
+            await loader._drop_session(loader._box.session)
+        session = await loader._session()
+        session.attach(private=self._private)
+        self._session = session
+        self._backstop = backstop(self, _close_dropped, weakref.ref(loader), session)
+        self._bar = _bar(loader)
+        return session
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        loader = self._loader
+        try:
+            session = self._session or await self._begin()
+            while True:
+                if loader.batches_per_epoch is not None and (
+                        self._produced >= loader.batches_per_epoch):
+                    break
+                step = await session.next(loader.timeout)
+                if _agree_each_batch(loader) and not await _all_have(loader, step):
+                    while not isinstance(step, PassDone):  # the others are done: skip ours
+                        step = await session.next(loader.timeout)
+                    loader._next_pass += 1
+                    loader._session_pass += 1
+                    break
+                if isinstance(step, PassDone):
+                    loader._next_pass += 1
+                    loader._session_pass += 1
+                    if loader.batches_per_epoch is None or step.empty:
+                        break
+                    continue
+                self._produced += 1
+                self._bar.update(1)
+                if not self._private:
+                    # Batches that were already waiting would otherwise come back to back
+                    # without the loop running anything else in between.
+                    await asyncio.sleep(0)
+                return step.value if self._device is None else move_to(step.value,
+                                                                       self._device)
+        except BaseException as exc:
+            # After an error nobody waits for the workers' last words: no grace.
+            await self._finish(stop=True, grace=0.0 if isinstance(exc, Exception) else GRACE)
+            raise
+        await self._finish(stop=False)
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop a half-consumed epoch and its workers (the loader can be iterated again)."""
+        if not self._done:
+            await self._finish(stop=self._session is not None)
+
+    async def _finish(self, *, stop: bool, grace: float = GRACE) -> None:
+        self._done = True
+        if self._backstop is not None:
+            drop_backstop(self._backstop)
+        if self._bar is not None:
+            self._bar.close()
+        loader, session = self._loader, self._session
+        with loader._lock:
+            if loader._epoch is not None and loader._epoch() is self:
+                loader._epoch = None
+        if session is None:
+            return
+        if stop:
+            await loader._drop_session(session, grace)
+        elif not session.closed:
+            session.detach()
+
+
+_CLOSING: set[asyncio.Task[None]] = set()  # closes of dropped epochs, until they are done
+
+
+def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> None:
+    """An epoch was dropped half-way: stop its workers on its loop, if that loop runs.
+
+    Otherwise (the sync adapter's loop between two calls) the next epoch, a close or the
+    loader's backstop does it.
+    """
+    loop = session.loop
+    if os.getpid() != session.owner_pid or loop is None or not loop.is_running():
+        return
+
+    def spawn() -> None:
+        loader = loader_ref()
+        closing = loader._drop_session(session) if loader is not None else session.aclose()
+        task = loop.create_task(closing)
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
+    loop.call_soon_threadsafe(spawn)
+
+
+def _bar(loader: DataLoader) -> Any:
+    from tqdm.auto import tqdm
+
+    total = loader.batches_per_epoch
+    if total is None and (loader._kind is Kind.MAP or loader._cache is not None):
+        total = len(loader)
+    return tqdm(total=total, disable=loader.quiet, desc="batches", unit="batch",
+                dynamic_ncols=True)
+
+
+def _agree_each_batch(loader: DataLoader) -> bool:
+    """Streams have no length: with even_batches, ranks agree batch by batch."""
+    return (loader._topo.distributed and loader.even_batches
+            and loader.batches_per_epoch is None and loader._kind is not Kind.MAP
+            and loader.max_instances_in_memory is not None)
+
+
+async def _all_have(loader: DataLoader, step: Any) -> bool:
+    have = 0 if isinstance(step, PassDone) else 1
+    return bool(await asyncio.to_thread(all_reduce, loader._topo, have, "min"))
+
+
