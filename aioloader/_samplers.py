@@ -103,12 +103,17 @@ class Batches(Sequence[list[int]]):
     equal to the list of its batches.
     """
 
+    _BLOCK = 1 << 14  # indices turned into Python ints at a time (one flat list, not lists)
+
     def __init__(self, order: torch.Tensor, batch_size: int, drop_last: bool) -> None:
         _check_batch_size(batch_size)
         n = order.numel()
         self._order = order
         self._batch_size = batch_size
         self._len = n // batch_size if drop_last else -(-n // batch_size)
+        self._per_block = max(1, self._BLOCK // batch_size)  # batches per block
+        self._block = -1
+        self._flat: list[int] = []
 
     def __len__(self) -> int:
         return self._len
@@ -124,9 +129,13 @@ class Batches(Sequence[list[int]]):
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError(f"batch {i} of {self._len}")
-        start = i * self._batch_size
-        batch: list[int] = self._order[start:start + self._batch_size].tolist()
-        return batch
+        block, k = divmod(i, self._per_block)
+        if block != self._block:  # batch by batch, tolist() would cost ~10 us each
+            size = self._per_block * self._batch_size
+            self._flat = self._order[block * size:(block + 1) * size].tolist()
+            self._block = block
+        start = k * self._batch_size
+        return self._flat[start:start + self._batch_size]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Batches):
