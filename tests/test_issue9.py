@@ -9,8 +9,6 @@ cause (a Runner per batch, a shuffle on the event loop), not timed.
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import sys
 import threading
 import time
@@ -21,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import default_collate
 
 import aioloader
@@ -162,40 +159,13 @@ def test_close_from_a_watchdog_thread_ends_the_sync_consumer(num_workers, gate):
 
 # ------------------------------------------------------------------------ rows: distributed
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # three_loaders last: it is the case that drops loaders for the garbage collector
 DIST_CASES = ["batch_sampler", "iterable_lazy", "iterable_cached", "three_loaders"]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ranks")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=issue9_dist.rank_main, args=(r, 2, port, str(out), DIST_CASES))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(150)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    results = {}
-    for r in range(2):
-        path = out / f"rank{r}.json"
-        codes = [p.exitcode for p in procs]
-        assert path.exists(), f"rank {r} wrote no results (exit codes {codes})"
-        results[r] = json.loads(path.read_text())
-    return results
+    return issue9_dist.run_ranks(tmp_path_factory.mktemp("ranks"), DIST_CASES, deadline=150)
 
 
 def _case(two_ranks: dict[int, dict[str, Any]], name: str) -> list[dict[str, Any]]:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import multiprocessing
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -20,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import BatchSampler, DistributedSampler, default_collate
 
 import aioloader
@@ -366,37 +363,10 @@ def test_a_resumed_run_gets_the_epochs_its_sampler_was_set_to():
         assert [b["index"].tolist() for b in loader] == expected, f"epoch {epoch}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("ranks")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
     cases = ["sampler_set_epoch", "len_rank0_only"]  # len last: it may leave a rank hung
-    procs = [ctx.Process(target=issue9_dist.rank_main, args=(r, 2, port, str(out), cases))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    results = {}
-    for r in range(2):
-        path = out / f"rank{r}.json"
-        codes = [p.exitcode for p in procs]
-        assert path.exists(), f"rank {r} wrote no results (exit codes {codes})"
-        results[r] = json.loads(path.read_text())
-    return results
+    return issue9_dist.run_ranks(tmp_path_factory.mktemp("ranks"), cases, deadline=120)
 
 
 @pytest.mark.deadline(180)

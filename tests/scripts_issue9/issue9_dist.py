@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -136,3 +138,40 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, cases: list[str]) 
     finally:
         if not hung:  # a collective left waiting would hang the teardown too
             dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(out: Path, cases: list[str], deadline: float, world: int = 2) -> dict[int, Any]:
+    """Run ``cases`` on ``world`` spawned gloo ranks; each rank's results, by rank.
+
+    A rank still alive after ``deadline`` seconds is killed; a rank that wrote nothing
+    fails the caller with the exit codes.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(out), cases))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(deadline)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    results = {}
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        codes = [p.exitcode for p in procs]
+        assert path.exists(), f"rank {r} wrote no results (exit codes {codes})"
+        results[r] = json.loads(path.read_text())
+    return results
