@@ -211,19 +211,25 @@ class DataLoader:
         loop = session.loop
         if loop is None or loop is running_loop():
             await session.aclose()
-        elif self._box.portal.owns(loop):
+        elif loop is self._box.portal.loop:  # the sync adapter's, driven in bursts
             await asyncio.to_thread(self._box.portal.call, session.aclose())
-        else:
+        elif loop.is_running():
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(session.aclose(), loop))
+        else:
+            session.close()
 
     def close(self) -> None:
         """Blocking :meth:`aclose`, from any thread; also ends the sync adapter's loops."""
         session = self._take_session()
         if session is not None:
-            loop = session.loop
-            if self._box.portal.owns(loop) and loop is not running_loop():
+            loop, here = session.loop, running_loop()
+            if loop is None and here is None:  # between epochs: an async reader's pass
+                self._box.portal.call(session.aclose())  # closes on a loop
+            elif loop is None or loop is here:
+                session.close()  # from async code on its own loop: blocks it while reaping
+            elif loop is self._box.portal.loop:  # the sync adapter's, driven in bursts
                 self._box.portal.call(session.aclose())
-            elif loop is not None and loop.is_running() and loop is not running_loop():
+            elif loop.is_running():  # a user's loop, or the portal's own thread
                 asyncio.run_coroutine_threadsafe(session.aclose(), loop).result()
             else:
                 session.close()

@@ -71,9 +71,6 @@ class Portal:
         self._handed: list[concurrent.futures.Future[Any]] = []
         _PORTALS.add(self)
 
-    def owns(self, loop: asyncio.AbstractEventLoop | None) -> bool:
-        return loop is not None and loop in (self.loop, self._thread_loop)
-
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` and return its result, from any thread."""
         here = running_loop()

@@ -117,7 +117,10 @@ async def test_aclose_from_another_task_ends_the_waiting_consumer(num_workers, g
 
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_close_from_a_watchdog_thread_ends_the_sync_consumer(num_workers, gate):
+@pytest.mark.parametrize("inside_a_loop", [False, True], ids=["script", "jupyter"])
+def test_close_from_a_watchdog_thread_ends_the_sync_consumer(num_workers, inside_a_loop, gate):
+    # "jupyter": the sync face used from a thread that already runs an event loop, so the
+    # adapter's loop runs in a thread of its own.
     # Without workers the sync face may fetch in the consumer's own thread, as torch does: a
     # close can land only between two samples there, so they come slowly instead of never.
     dataset = S.Gated(16, gate) if num_workers else S.Slow(16, 0.2)
@@ -139,13 +142,20 @@ def test_close_from_a_watchdog_thread_ends_the_sync_consumer(num_workers, gate):
 
     thread = threading.Thread(target=watchdog, daemon=True)
     thread.start()
+    def consume() -> Any:
+        try:
+            for _ in loader:
+                first.set()
+            return "the epoch ended normally"
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - checked below
+            return exc
+
+    async def consume_in_a_loop() -> Any:
+        return consume()
+
     outcome: Any = None
     try:
-        for _ in loader:
-            first.set()
-        outcome = "the epoch ended normally"
-    except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - the outcome is checked
-        outcome = exc
+        outcome = asyncio.run(consume_in_a_loop()) if inside_a_loop else consume()
     finally:
         ended.set()
         gate.set()
