@@ -145,7 +145,9 @@ class LocalIndex(_InProcess):
         self._inline_ok = inline  # no timeout to honour: a private loop may block
 
     def _fetch(self, indices: list[int]) -> Any:
-        return self._collate(fetch(self._dataset, indices, self.activity.touch))
+        # Progress per sample matters only to a timeout (then nothing runs inline).
+        each = None if self._inline_ok else self.activity.touch
+        return self._collate(fetch(self._dataset, indices, each))
 
     async def next(self) -> Step:
         indices = await self._plans.next()
@@ -533,7 +535,8 @@ class Setup:
             options=self.options, collate_fn=self.collate_fn, worker_id=0,
             num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
             seed=self.seed, first_pass=first_pass, slots=self.prefetch,
-            parent_pid=os.getpid() if self.start_method != "forkserver" else 0)
+            parent_pid=os.getpid() if self.start_method != "forkserver" else 0,
+            progress=not self.inline_ok)
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
 
     def stream(self, first_pass: int, seed_for: Callable[[int], int]) -> Producer:

@@ -61,6 +61,7 @@ class WorkerSpec:
     first_pass: int
     slots: int
     parent_pid: int
+    progress: bool = False  # a timeout is set: say Progress while reading (it measures silence)
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
@@ -313,7 +314,8 @@ async def _instances(spec: WorkerSpec, chan: _Channel) -> AsyncIterator[Any]:
                         spec.num_workers, spec.rank, spec.world_size)
     agen = stream if is_async(stream) else as_async(stream)  # type: ignore[arg-type]
     async for item in agen:  # type: ignore[union-attr]
-        chan.progress()
+        if spec.progress:
+            chan.progress()
         yield item
 
 
@@ -367,6 +369,6 @@ async def _run_index(spec: WorkerSpec, chan: _Channel) -> None:
         task = await chan.task()
         if task is None:
             return
-        group = fetch(spec.source, task.indices, chan.progress)
+        group = fetch(spec.source, task.indices, chan.progress if spec.progress else None)
         if not await chan.emit(task.seq, _collate(spec, group)):
             return
