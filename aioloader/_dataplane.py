@@ -106,7 +106,6 @@ class SlotLedger:
         self._lease = lease
         self.arenas: dict[int, ArenaMap] = {}  # by generation
         self.generation = -1  # the newest
-        self.unread = 0
         self.leased = 0
         self._outstanding: collections.Counter[int] = collections.Counter()  # by generation
         self._returned: collections.deque[int] = collections.deque()  # any thread appends
@@ -121,7 +120,6 @@ class SlotLedger:
 
     def published(self, slot: int) -> None:
         """A message that holds ``slot`` arrived (a batch, or the end of a pass)."""
-        self.unread += 1
         self._outstanding[slot // self.slots] += 1
 
     # -- what the consumer takes
@@ -135,7 +133,6 @@ class SlotLedger:
         ``lease=False`` always copies (what is kept for long, like a cache of instances).
         """
         self.reclaim()
-        self.unread -= 1
         arena = self.arenas.get(slot // self.slots)
         if (lease and self._lease and arena is not None and nbytes >= LEASE_MIN_BYTES
                 and self.leased < self.slots - 1):
@@ -151,7 +148,6 @@ class SlotLedger:
 
     def skip(self, slot: int) -> None:
         """A message that holds ``slot`` needs no reading (the end of a pass)."""
-        self.unread -= 1
         self.release(slot)
 
     def release(self, slot: int) -> None:
@@ -172,10 +168,6 @@ class SlotLedger:
             arena = self.arenas.pop(generation, None)
             if arena is not None:
                 arena.close()
-
-    @property
-    def mapped_bytes(self) -> int:
-        return sum(a.slots * a.slot_size for a in self.arenas.values())
 
     def close(self) -> None:
         """Unmap every arena; leased views keep their mapping until the last one goes."""

@@ -21,7 +21,6 @@ import enum
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -156,9 +155,6 @@ class Session:
             self._reason = reason
             consumer.cancel()
 
-    def behind(self) -> str:
-        return self.producer.behind()
-
     # ------------------------------------------------------------------ closing
 
     def _begin_close(self) -> bool:
@@ -230,5 +226,3 @@ class Activity:
     def __call__(self) -> float:
         return self.at
 
-
-Touch = Callable[[], None]
