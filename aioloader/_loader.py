@@ -15,9 +15,10 @@ from ._distributed import all_reduce, topology
 from ._epoch import Epoch, backstop
 from ._pipeline import BatchOptions
 from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, seed_for, sharding
-from ._producers import CachedInstances, Plan, Setup
+from ._producers import CachedInstances, Plan
 from ._samplers import BatchSampler
 from ._session import PassDone, Producer, Session
+from ._setup import Setup
 from ._sources import Kind, classify
 from ._supervisor import GRACE
 from ._sync import Portal, SyncLoader, running_loop

@@ -1,0 +1,73 @@
+"""Setup: a loader's options as data, and the one place producers and workers are made."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._local import LocalIndex, LocalInstances, LocalStream
+from ._pipeline import BatchOptions
+from ._producers import Plan, WorkerIndex, WorkerInstances, WorkerStream
+from ._session import Producer
+from ._sources import Kind
+from ._supervisor import Supervisor
+from ._worker import Plan as Role
+from ._worker import WorkerSpec
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A loader's options as data: how its producers (and their workers) are made.
+
+    The loader asks for a producer by what it wants (a stream, index batches, one pass of
+    instances); only here are worker specs built and supervisors made.
+    """
+
+    source: Any
+    kind: Kind
+    data_path: Any
+    options: BatchOptions
+    collate_fn: Callable[[list[Any]], Any] | None
+    num_workers: int
+    start_method: str
+    prefetch: int
+    zero_copy: bool
+    seed: int
+    rank: int
+    world_size: int
+    inline_ok: bool  # no timeout: the sync adapter's own loop may fetch inline
+
+    def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int) -> Supervisor:
+        spec = WorkerSpec(
+            source=source, kind=kind, data_path=self.data_path, plan=role,
+            options=self.options, collate_fn=self.collate_fn, worker_id=0,
+            num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
+            seed=self.seed, first_pass=first_pass, slots=self.prefetch,
+            parent_pid=os.getpid() if self.start_method != "forkserver" else 0,
+            progress=not self.inline_ok)
+        return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
+
+    def stream(self, first_pass: int, seed_for: Callable[[int], int]) -> Producer:
+        """Batches of passes over a streaming source, each worker over its shard."""
+        if self.num_workers == 0:
+            return LocalStream(self.source, self.kind, self.data_path, self.options,
+                               self.collate_fn, seed_for, first_pass, self.rank,
+                               self.world_size)
+        return WorkerStream(self._supervisor("stream", self.source, self.kind, first_pass))
+
+    def index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
+              plan_ahead: bool) -> Producer:
+        """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``."""
+        if self.num_workers == 0:
+            return LocalIndex(data, plan, first_pass, self.collate_fn, inline=self.inline_ok)
+        return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
+                           first_pass, self.prefetch, plan_ahead=plan_ahead)
+
+    def instances(self, pass_no: int) -> Producer:
+        """One pass of a streaming source's instances, in chunks (to fill a cache)."""
+        if self.num_workers == 0:
+            return LocalInstances(self.source, self.kind, self.data_path, self.rank,
+                                  self.world_size)
+        return WorkerInstances(self._supervisor("instances", self.source, self.kind, pass_no))
