@@ -129,7 +129,7 @@ class DataLoader:
             source=reader, kind=self._kind, data_path=data_path, options=self._options,
             collate_fn=collate_fn, num_workers=num_workers, start_method=start_method,
             prefetch=prefetch, zero_copy=zero_copy, seed=self._base_seed,
-            rank=self._topo.rank, world_size=self._topo.world_size, inline_ok=timeout is None)
+            rank=self._topo.rank, world_size=self._topo.world_size, timed=timeout is not None)
         self._cache: CachedInstances | None = None
         self._next_pass = 0  # the pass the session's stream is at
         self._session_pass = 0  # the pass the current session started with

@@ -29,8 +29,11 @@ class _InProcess:
     image batches 0.57x -> 1.02x torch's num_workers=0).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, timed: bool) -> None:
         self.activity = Activity()
+        # Signs of life matter only to a timeout: without one, no clock read per instance.
+        self.timed = timed
+        self.touch: Callable[[], None] | None = self.activity.touch if timed else None
         self.private = False  # the loop is the sync adapter's own: blocking it is fine
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -72,23 +75,20 @@ class LocalIndex(_InProcess):
     """
 
     def __init__(self, dataset: Any, plan: Plan, first_pass: int,
-                 collate_fn: Callable[[list[Any]], Any] | None, *, inline: bool) -> None:
-        super().__init__()
+                 collate_fn: Callable[[list[Any]], Any] | None, *, timed: bool) -> None:
+        super().__init__(timed=timed)
         self._dataset = dataset
         self._collate = collate_with(collate_fn)
         self._plans = Plans(plan, first_pass)
-        self._inline_ok = inline  # no timeout to honour: a private loop may block
 
     def _fetch(self, indices: list[int]) -> Any:
-        # Progress per sample matters only to a timeout (then nothing runs inline).
-        each = None if self._inline_ok else self.activity.touch
-        return self._collate(fetch(self._dataset, indices, each))
+        return self._collate(fetch(self._dataset, indices, self.touch))
 
     async def next(self) -> Step:
         indices = await self._plans.next()
         if isinstance(indices, PassDone):
             return indices
-        if self.private and self._inline_ok:
+        if self.private and not self.timed:  # a timeout needs the loop free to fire
             return Delivered(self._fetch(indices))
         return Delivered(await self.offload(self._fetch, indices))
 
@@ -105,8 +105,8 @@ class LocalStream(_InProcess):
     def __init__(self, source: Any, kind: Kind, data_path: Any, options: BatchOptions,
                  collate_fn: Callable[[list[Any]], Any] | None,
                  seed_for: Callable[[int], int], first_pass: int, rank: int,
-                 world_size: int) -> None:
-        super().__init__()
+                 world_size: int, *, timed: bool) -> None:
+        super().__init__(timed=timed)
         self._open: Callable[[], Any] = lambda: open_shard(source, kind, data_path, 0, 1,
                                                             rank, world_size)
         self._options = options
@@ -118,7 +118,7 @@ class LocalStream(_InProcess):
     async def next(self) -> Step:
         if self._pass is None:
             batcher = PassBatcher(self._options, self._seed_for(self._pass_no))
-            self._pass = _LocalPass(self._open(), batcher, self._collate, self.activity.touch,
+            self._pass = _LocalPass(self._open(), batcher, self._collate, self.touch,
                                     self.offload)
         value = await self._pass.next()
         if value is not _END:
@@ -154,7 +154,8 @@ class _LocalPass:
     """
 
     def __init__(self, stream: Any, batcher: PassBatcher, collate: Callable[[list[Any]], Any],
-                 touch: Callable[[], None], offload: Callable[..., Awaitable[Any]]) -> None:
+                 touch: Callable[[], None] | None,
+                 offload: Callable[..., Awaitable[Any]]) -> None:
         self.collate = collate
         self.touch = touch
         self.offload = offload
@@ -185,7 +186,8 @@ class _LocalPass:
                 self.groups.extend(self.batcher.finish())
                 self.exhausted = True
             else:
-                self.touch()
+                if self.touch is not None:
+                    self.touch()
                 self.groups.extend(self.batcher.feed(instance))
         if not self.groups:
             return _END
@@ -204,7 +206,14 @@ class _LocalPass:
                 it.close()  # type: ignore[attr-defined]
 
 
-def _touching(stream: Any, touch: Callable[[], None]) -> Iterator[Any]:
+def _touching(stream: Any, touch: Callable[[], None] | None) -> Iterator[Any]:
+    """``stream``, with ``touch()`` after every item (``None``: the stream as it is)."""
+    if touch is None:
+        return iter(stream)
+    return _each_touched(stream, touch)
+
+
+def _each_touched(stream: Any, touch: Callable[[], None]) -> Iterator[Any]:
     for item in stream:
         touch()
         yield item
@@ -228,8 +237,8 @@ class LocalInstances(_InProcess):
     """One pass of instances read in this process, in chunks (a sync reader in a thread)."""
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, rank: int,
-                 world_size: int) -> None:
-        super().__init__()
+                 world_size: int, *, timed: bool) -> None:
+        super().__init__(timed=timed)
         self._stream = open_shard(source, kind, data_path, 0, 1, rank, world_size)
         self._sync: Iterator[Any] | None = None
         self._async: Any = None
@@ -247,13 +256,14 @@ class LocalInstances(_InProcess):
                 self._async = self._stream.__aiter__()  # type: ignore[union-attr]
             chunk = []
             async for item in self._async:
-                self.activity.touch()
+                if self.touch is not None:
+                    self.touch()
                 chunk.append(item)
                 if len(chunk) >= INSTANCE_CHUNK:
                     break
         else:
             if self._sync is None:
-                self._sync = _touching(self._stream, self.activity.touch)
+                self._sync = _touching(self._stream, self.touch)
             chunk = await self.offload(self._chunk)
         if len(chunk) < INSTANCE_CHUNK:
             self._done = True

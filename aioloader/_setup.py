@@ -37,7 +37,7 @@ class Setup:
     seed: int
     rank: int
     world_size: int
-    inline_ok: bool  # no timeout: the sync adapter's own loop may fetch inline
+    timed: bool  # a timeout is set: progress is reported, nothing runs inline
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int) -> Supervisor:
         spec = WorkerSpec(
@@ -46,7 +46,7 @@ class Setup:
             num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
             seed=self.seed, first_pass=first_pass, slots=self.prefetch,
             parent_pid=os.getpid() if self.start_method != "forkserver" else 0,
-            progress=not self.inline_ok)
+            progress=self.timed)
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
 
     def stream(self, first_pass: int, seed_for: Callable[[int], int]) -> Producer:
@@ -54,14 +54,14 @@ class Setup:
         if self.num_workers == 0:
             return LocalStream(self.source, self.kind, self.data_path, self.options,
                                self.collate_fn, seed_for, first_pass, self.rank,
-                               self.world_size)
+                               self.world_size, timed=self.timed)
         return WorkerStream(self._supervisor("stream", self.source, self.kind, first_pass))
 
     def index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
               plan_ahead: bool) -> Producer:
         """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``."""
         if self.num_workers == 0:
-            return LocalIndex(data, plan, first_pass, self.collate_fn, inline=self.inline_ok)
+            return LocalIndex(data, plan, first_pass, self.collate_fn, timed=self.timed)
         return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
                            first_pass, self.prefetch, plan_ahead=plan_ahead)
 
@@ -69,5 +69,5 @@ class Setup:
         """One pass of a streaming source's instances, in chunks (to fill a cache)."""
         if self.num_workers == 0:
             return LocalInstances(self.source, self.kind, self.data_path, self.rank,
-                                  self.world_size)
+                                  self.world_size, timed=self.timed)
         return WorkerInstances(self._supervisor("instances", self.source, self.kind, pass_no))
