@@ -24,6 +24,7 @@ import aioloader
 from aioloader.testing import LeakSnapshot, check_leaks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts_issue9"))
+import dist_helpers
 import issue9_dist
 import issue9_sources as S
 
@@ -353,7 +354,7 @@ def test_a_dataset_that_allocates_a_new_tensor_per_sample(num_workers, face):
 def test_a_resumed_run_gets_the_epochs_its_sampler_was_set_to():
     """Resuming at epoch 5, the script calls sampler.set_epoch(5), 6, 7 (torch's recipe): the
     batches are what the user's sampler yields for those epochs, as with torch's loader."""
-    ds = S.Numbers(64)
+    ds = dist_helpers.NumbersDataset(64)
     sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=5)
     loader = aioloader.DataLoader(ds, batch_sampler=BatchSampler(sampler, 8, False),
                                   num_workers=2, quiet=True)

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from issue9_sources import Numbers, SplitByNodeAndWorker
+from dist_helpers import NumbersDataset as Numbers  # tests/ is on sys.path too
+from issue9_sources import SplitByNodeAndWorker
 from torch.utils.data import BatchSampler, DistributedSampler
 
 import aioloader

@@ -167,17 +167,6 @@ class Trickle(aioloader.Reader):
             yield {"index": i}
 
 
-class Numbers(Dataset[dict[str, int]]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, int]:
-        return {"index": i}
-
-
 class SplitByNodeAndWorker(IterableDataset[dict[str, int]]):
     """Splits itself by rank and by worker, as ``datasets.split_dataset_by_node`` and
     webdataset's ``split_by_node`` + ``split_by_worker`` do: the loader must not split it
