@@ -47,6 +47,7 @@ def _orphan_loops_in_child() -> None:
         portal._thread = None
         portal._driver = None
         portal._handed = []
+        portal._in_flight = 0
         portal._cond = threading.Condition()
     _PORTALS.clear()
 
@@ -69,6 +70,7 @@ class Portal:
         self._cond = threading.Condition()
         self._driver: int | None = None
         self._handed: list[concurrent.futures.Future[Any]] = []
+        self._in_flight = 0  # calls running on the thread loop
         _PORTALS.add(self)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -127,13 +129,19 @@ class Portal:
                     self.loop.run_until_complete(asyncio.wrap_future(fut, loop=self.loop))
 
     def _call_in_thread(self, coro: Coroutine[Any, Any, T]) -> T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._ensure_thread_loop())
+        with self._cond:  # close() waits for calls in flight: it would stop their loop
+            fut = asyncio.run_coroutine_threadsafe(coro, self._ensure_thread_loop())
+            self._in_flight += 1
         try:
             return fut.result()
         except BaseException:
             fut.cancel()  # e.g. KeyboardInterrupt here: stop the coroutine there, then go on
             concurrent.futures.wait([fut])
             raise
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
 
     def _ensure_thread_loop(self) -> asyncio.AbstractEventLoop:
         with self._cond:
@@ -159,6 +167,10 @@ class Portal:
             loop = None
             if self._driver is None:  # a driver keeps its loop; the GC closes it later
                 loop, self.loop = self.loop, None
+            if self._thread is not threading.current_thread():
+                # A call on the thread loop (a consumer woken by this very close) finishes
+                # first: stopping the loop under it would leave its caller waiting forever.
+                self._cond.wait_for(lambda: self._in_flight == 0)
             tloop, self._thread_loop = self._thread_loop, None
             thread, self._thread = self._thread, None
         if loop is not None:
