@@ -280,7 +280,8 @@ class LocalInstances(_InProcess):
 
     def close(self, grace: float) -> None:
         it, self._sync = self._sync, None
-        if it is not None:
-            with contextlib.suppress(ValueError):
-                it.close()  # type: ignore[attr-defined]
+        close = getattr(it, "close", None)  # a reader's own iterator may have none
+        if close is not None:
+            with contextlib.suppress(ValueError):  # still running in its thread: it ends
+                close()
         self.stop_thread()
