@@ -95,6 +95,7 @@ class Epoch:
         session = await loader._session()
         session.attach(private=self._private)
         self._session = session
+        self._produced = loader._cursor.begin_epoch()
         self._backstop = backstop(self, _close_dropped, weakref.ref(loader), session)
         self._bar = _bar(loader)
         return session
@@ -113,16 +114,15 @@ class Epoch:
                 if _agree_each_batch(loader) and not await _all_have(loader, step):
                     while not isinstance(step, PassDone):  # the others are done: skip ours
                         step = await session.next(loader.timeout)
-                    loader._next_pass += 1
-                    loader._session_pass += 1
+                    self._pass_done()
                     break
                 if isinstance(step, PassDone):
-                    loader._next_pass += 1
-                    loader._session_pass += 1
+                    self._pass_done()
                     if loader.batches_per_epoch is None or step.empty:
                         break
                     continue
                 self._produced += 1
+                loader._cursor.delivered()
                 self._bar.update(1)
                 if not self._private:
                     # Batches that were already waiting would otherwise come back to back
@@ -136,6 +136,12 @@ class Epoch:
             raise
         await self._finish(stop=False)
         raise StopAsyncIteration
+
+    def _pass_done(self) -> None:
+        loader = self._loader
+        loader._next_pass += 1
+        loader._session_pass += 1
+        loader._cursor.pass_done()
 
     async def aclose(self) -> None:
         """Stop a half-consumed epoch and its workers (the loader can be iterated again)."""
@@ -154,6 +160,8 @@ class Epoch:
                 loader._epoch = None
         if session is None:
             return
+        if not stop:
+            loader._cursor.in_epoch = 0  # between epochs
         if stop:
             await loader._drop_session(session, grace)
         elif not session.closed:
@@ -189,8 +197,8 @@ def _bar(loader: DataLoader) -> Any:
     total = loader.batches_per_epoch
     if total is None and (loader._kind is Kind.MAP or loader._cache is not None):
         total = len(loader)
-    return tqdm(total=total, disable=loader.quiet, desc="batches", unit="batch",
-                dynamic_ncols=True)
+    return tqdm(total=total, initial=loader._cursor.in_epoch, disable=loader.quiet,
+                desc="batches", unit="batch", dynamic_ncols=True)
 
 
 def _agree_each_batch(loader: DataLoader) -> bool:

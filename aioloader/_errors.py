@@ -82,3 +82,13 @@ class LoaderClosedError(RuntimeError):
 
 class FrameTooLargeError(ValueError):
     """A message between a worker and the main process exceeds the wire's frame limit."""
+
+
+class ResumeError(ValueError):
+    """A state dict cannot be loaded: it is not a loader's state, or it was taken with other
+    arguments (or other data) than this loader's; the message names what differs."""
+
+
+class ResumeWarning(UserWarning):
+    """Resuming costs more than it could: a source without a state of its own is read again
+    up to the position and the instances before it are dropped."""

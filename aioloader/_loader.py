@@ -6,20 +6,24 @@ import asyncio
 import os
 import random
 import threading
+import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ._device import DeviceLike, as_device
 from ._distributed import all_reduce, topology
 from ._epoch import Epoch, backstop
+from ._errors import LoaderBusyError, ResumeError, ResumeWarning
 from ._pipeline import BatchOptions
-from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, seed_for, sharding
+from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
+from ._position import StreamPosition, is_stateful
 from ._producers import CachedInstances, Plan
 from ._samplers import BatchSampler
 from ._session import PassDone, Producer, Session
 from ._setup import Setup
 from ._sources import Kind, classify
+from ._state import Cursor, ResumePoint, make_state, read_state
 from ._supervisor import GRACE
 from ._sync import Portal, SyncLoader, running_loop
 
@@ -116,27 +120,34 @@ class DataLoader:
         if seed is None:
             # Ranks must agree on one shuffle; like DistributedSampler, default to seed 0.
             seed = 0 if self._topo.distributed else random.SystemRandom().getrandbits(63)
-        self._base_seed = seed
         self._options = BatchOptions(
             batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
             sampler=batch_sampler if isinstance(batch_sampler, BatchSampler) else None,
             chunk_size=max_instances_in_memory)
-        self._plan_spec = PlanSpec(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
-                                   sampler=batch_sampler, seed=self._base_seed,
-                                   rank=self._topo.rank, world_size=self._topo.world_size,
-                                   even_batches=even_batches)
-        self._setup = Setup(
-            source=reader, kind=self._kind, data_path=data_path, options=self._options,
-            collate_fn=collate_fn, num_workers=num_workers, start_method=start_method,
-            prefetch=prefetch, zero_copy=zero_copy, seed=self._base_seed,
-            rank=self._topo.rank, world_size=self._topo.world_size, timed=timeout is not None)
+        self._configure(seed)
         self._cache: CachedInstances | None = None
         self._next_pass = 0  # the pass the session's stream is at
         self._session_pass = 0  # the pass the current session started with
         self._lock = threading.Lock()
         self._epoch: weakref.ref[Epoch] | None = None  # the epoch in progress, if any
+        self._cursor = Cursor()  # where the consumer stands (state_dict)
+        self._resume: ResumePoint | None = None  # where the next session starts
         self._box = _Box()
         backstop(self, self._box.kill)
+
+    def _configure(self, seed: int) -> None:
+        """What depends on the seed: the plans and the workers' setup."""
+        self._base_seed = seed
+        self._plan_spec = PlanSpec(
+            batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
+            sampler=self.batch_sampler, seed=seed, rank=self._topo.rank,
+            world_size=self._topo.world_size, even_batches=self.even_batches)
+        self._setup = Setup(
+            source=self.reader, kind=self._kind, data_path=self.data_path,
+            options=self._options, collate_fn=self.collate_fn, num_workers=self.num_workers,
+            start_method=self.start_method, prefetch=self.prefetch, zero_copy=self.zero_copy,
+            seed=seed, rank=self._topo.rank, world_size=self._topo.world_size,
+            timed=self.timeout is not None)
 
     # ------------------------------------------------------------------ public
 
@@ -164,7 +175,88 @@ class DataLoader:
         """
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self._next_pass = epoch
+        if epoch != self._next_pass:
+            self._next_pass = epoch
+            self._resume = None  # a resumed position belongs to its own epoch
+            self._cursor = Cursor(pass_no=epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands, as a small JSON-able dict, for a checkpoint.
+
+        Call it between any two batches or between epochs. A fresh loader built with the same
+        arguments, given it with :meth:`load_state_dict`, produces exactly the batches this
+        one would have produced next, whatever was prefetched or in flight.
+
+        Example:
+            >>> loader = DataLoader(list(range(10)), batch_size=4, quiet=True)
+            >>> first = next(iter(loader))
+            >>> again = DataLoader(list(range(10)), batch_size=4, quiet=True)
+            >>> again.load_state_dict(loader.state_dict())
+            >>> [b.tolist() for b in again]
+            [[4, 5, 6, 7], [8, 9]]
+        """
+        with self._lock:
+            cursor = self._cursor
+        cache = self._cache
+        return make_state(self._fingerprint(), self._base_seed, cursor,
+                          len(cache) if cache is not None and self._cached() else None)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a :meth:`state_dict`: the next batches are those that followed it.
+
+        Raises :class:`~aioloader.ResumeError` (and changes nothing) when ``state`` is not a
+        loader's state, or was taken with other arguments; the loader stays usable.
+        """
+        point = read_state(state, self._fingerprint(), seed=self.seed,
+                           shards=self._setup.shards if self._lazy() else None)
+        with self._lock:
+            current = self._epoch() if self._epoch is not None else None
+            if current is not None:
+                raise LoaderBusyError(
+                    "load_state_dict() while an epoch is being iterated: finish or close "
+                    "that epoch first (`loader.close()`), then load the state")
+        self.close()  # workers that persisted from an earlier epoch are elsewhere
+        if point.seed != self._base_seed:
+            self._configure(point.seed)
+        self._resume = point
+        self._next_pass = point.pass_no
+        self._cursor = Cursor(point.pass_no, point.in_pass, point.in_epoch,
+                              carried=point.in_epoch)
+        if point.stream is not None and not is_stateful(self.reader):
+            skipped = sum(p.start.raw for p in point.stream.shards)
+            if skipped:
+                warnings.warn(
+                    f"resuming {type(self.reader).__name__} by reading and skipping {skipped} "
+                    "instances: it has no state_dict()/load_state_dict() of its own. Give it "
+                    "those (a position in its files) to resume in constant time",
+                    ResumeWarning, stacklevel=2)
+
+    def _lazy(self) -> bool:
+        return self._kind is not Kind.MAP and self.max_instances_in_memory is not None
+
+    def _cached(self) -> bool:
+        return self._kind is not Kind.MAP and self.max_instances_in_memory is None
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """The arguments a state depends on, as data (the seed is checked apart)."""
+        sampler = self.batch_sampler
+        return {
+            "source": self._kind.value,
+            "cached": self._cached(),
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "shuffle": self.shuffle,
+            "batch_sampler": None if sampler is None else type(sampler).__qualname__,
+            "batches_per_epoch": self.batches_per_epoch,
+            "max_instances_in_memory": self.max_instances_in_memory,
+            "rank": self._topo.rank,
+            "world_size": self._topo.world_size,
+            "even_batches": self.even_batches,
+            # A stream is read in one shard per worker; index batches are the same whatever
+            # the number of workers.
+            "shards": self._setup.shards if self._lazy() else None,
+            "dataset_len": len(self.reader) if self._kind is Kind.MAP else None,
+        }
 
     def __len__(self) -> int:
         if self.batches_per_epoch is not None:
@@ -263,9 +355,18 @@ class DataLoader:
             await self._drop_session(session)
             session = None
         if session is None:
-            session = Session(await self._producer(self._next_pass))
+            resume, self._resume = self._resume, None
+            if resume is not None and resume.pass_no != self._next_pass:
+                resume = None
+            producer = await self._producer(self._next_pass, resume)
+            session = Session(producer)
             self._box.session = session
             self._session_pass = self._next_pass
+            with self._lock:
+                carried = self._cursor.carried if resume is not None else None
+                self._cursor = Cursor(self._next_pass, resume.in_pass if resume else 0,
+                                      stream=getattr(producer, "position", None),
+                                      carried=carried)
             await session.start()
         return session
 
@@ -275,17 +376,26 @@ class DataLoader:
                 self._box.session = None
         await session.aclose(grace)
 
-    async def _producer(self, first_pass: int) -> Producer:
-        if self._kind is not Kind.MAP and self.max_instances_in_memory is not None:
-            return self._setup.stream(first_pass, self._stream_seed)
+    async def _producer(self, first_pass: int, resume: ResumePoint | None) -> Producer:
+        if self._lazy():
+            start = StreamPosition.begin(first_pass, self._setup.shards)
+            if resume is not None and resume.stream is not None:
+                start = resume.stream
+            return self._setup.stream(start, _stream_seeds(self._plan_spec))
         if self._kind is Kind.MAP:
             data: Any = self.reader
             plan = self._map_plan()
         else:
             data = await self._ensure_cache()
             plan = self._cached_plan(data)
+            if resume is not None and resume.instances not in (None, len(data)):
+                raise ResumeError(
+                    f"the state was taken over {resume.instances} instances, but the reader "
+                    f"now gives {len(data)}: the data changed, so the position in the epoch "
+                    "means other batches")
         ahead = sharding(self._plan_spec, shared=True) is not Sharding.AS_IS
-        return self._setup.index(data, plan, first_pass, plan_ahead=ahead)
+        return self._setup.index(data, plan, first_pass, plan_ahead=ahead,
+                                 skip=resume.in_pass if resume is not None else 0)
 
     def _map_plan(self) -> Plan:
         spec, data = self._plan_spec, self.reader
@@ -304,9 +414,6 @@ class DataLoader:
             return plan_epoch(spec, data, pass_no, shared=False, target_batches=target[0])
 
         return agreed
-
-    def _stream_seed(self, pass_no: int) -> int:
-        return seed_for(self._plan_spec, pass_no)
 
     # ------------------------------------------------------------------ reading
 
@@ -335,6 +442,13 @@ class DataLoader:
                 yield step.value
         finally:
             await session.aclose()
+
+
+def _stream_seeds(spec: PlanSpec) -> Callable[[int], int]:
+    """A stream's seed per pass in this process: worker 0's, so that one shard gives the
+    same batches in or out of a worker. Not a method: a producer holding the loader would
+    keep it (and its workers) alive after the user dropped it."""
+    return lambda pass_no: worker_seed(spec, pass_no, 0)
 
 
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,

@@ -11,7 +11,16 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
-from ._pipeline import BatchOptions, PassBatcher, collate_with, sync_batches
+from ._pipeline import BatchOptions, ShardPass, collate_with, sync_batches
+from ._position import (
+    PASS_START,
+    BlockStart,
+    Mark,
+    Shard,
+    ShardPosition,
+    ShardTracker,
+    StreamPosition,
+)
 from ._producers import INSTANCE_CHUNK, Plan, Plans
 from ._session import Activity, PassDone, Step
 from ._sources import Kind, fetch, is_async, open_shard
@@ -75,11 +84,12 @@ class LocalIndex(_InProcess):
     """
 
     def __init__(self, dataset: Any, plan: Plan, first_pass: int,
-                 collate_fn: Callable[[list[Any]], Any] | None, *, timed: bool) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None, *, timed: bool,
+                 skip: int = 0) -> None:
         super().__init__(timed=timed)
         self._dataset = dataset
         self._collate = collate_with(collate_fn)
-        self._plans = Plans(plan, first_pass)
+        self._plans = Plans(plan, first_pass, skip=skip)
 
     def _fetch(self, indices: list[int]) -> Any:
         return self._collate(fetch(self._dataset, indices, self.touch))
@@ -104,29 +114,40 @@ class LocalStream(_InProcess):
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, options: BatchOptions,
                  collate_fn: Callable[[list[Any]], Any] | None,
-                 seed_for: Callable[[int], int], first_pass: int, rank: int,
-                 world_size: int, *, timed: bool) -> None:
+                 seed_for: Callable[[int], int], start: ShardPosition, rank: int,
+                 world_size: int, *, timed: bool, produced: int = 0) -> None:
         super().__init__(timed=timed)
-        self._open: Callable[[], Any] = lambda: open_shard(source, kind, data_path, 0, 1,
-                                                            rank, world_size)
+        self._open: Callable[[BlockStart], Shard] = lambda begin: Shard(
+            source, kind, data_path, 0, 1, rank, world_size, begin)
         self._options = options
         self._collate = collate_with(collate_fn)
         self._seed_for = seed_for
-        self._pass_no = first_pass
+        self._shard = ShardTracker(start)
+        self._start: ShardPosition | None = start  # the first pass's, once
+        self._produced = produced
         self._pass: _LocalPass | None = None
+
+    def position(self) -> StreamPosition:
+        return StreamPosition((self._shard.position,), 0, (0,), self._produced)
 
     async def next(self) -> Step:
         if self._pass is None:
-            batcher = PassBatcher(self._options, self._seed_for(self._pass_no))
-            self._pass = _LocalPass(self._open(), batcher, self._collate, self.touch,
+            pass_no = self._shard.position.pass_no
+            start, self._start = self._start, None
+            shard = self._open(start.start if start is not None else PASS_START)
+            batcher = ShardPass(shard, self._options, self._seed_for(pass_no), start)
+            self._pass = _LocalPass(shard.stream, batcher, self._collate, self.touch,
                                     self.offload)
-        value = await self._pass.next()
-        if value is not _END:
-            self._pass.produced += 1
-            return Delivered(value)
-        done = PassDone(self._pass.produced == 0)
+        got = await self._pass.next()
+        if got is not _END:
+            value, mark = got
+            self._shard.delivered(mark)
+            self._produced += 1
+            return Delivered(value, mark=mark)
+        done = PassDone(self._produced == 0)
         self._pass = None
-        self._pass_no += 1
+        self._shard.ended()
+        self._produced = 0
         return done
 
     def behind(self) -> str:
@@ -153,26 +174,26 @@ class _LocalPass:
     without the loop's hooks (see :func:`_anext_unhooked`) and closed by the session.
     """
 
-    def __init__(self, stream: Any, batcher: PassBatcher, collate: Callable[[list[Any]], Any],
+    def __init__(self, stream: Any, batcher: ShardPass, collate: Callable[[list[Any]], Any],
                  touch: Callable[[], None] | None,
                  offload: Callable[..., Awaitable[Any]]) -> None:
         self.collate = collate
         self.touch = touch
         self.offload = offload
-        self.produced = 0
         self.started = False
         self.async_it: Any = None
         self.sync_it: Iterator[Any] | None = None
         if is_async(stream):
             self.async_it = stream.__aiter__()
             self.batcher = batcher
-            self.groups: collections.deque[list[Any]] = collections.deque()
+            self.groups: collections.deque[tuple[list[Any], Mark]] = collections.deque()
             self.exhausted = False
         else:
-            self.sync_it = (collate(g) for g in sync_batches(_touching(stream, touch), batcher))
+            self.sync_it = ((collate(g), mark) for g, mark in
+                            sync_batches(_touching(stream, touch), batcher))
 
     async def next(self) -> Any:
-        """The next collated batch, or _END."""
+        """The next (collated batch, mark), or _END."""
         if self.sync_it is not None:
             return await self.offload(next, self.sync_it, _END)
         while not self.groups and not self.exhausted:
@@ -191,7 +212,8 @@ class _LocalPass:
                 self.groups.extend(self.batcher.feed(instance))
         if not self.groups:
             return _END
-        return self.collate(self.groups.popleft())
+        group, mark = self.groups.popleft()
+        return self.collate(group), mark
 
     async def aclose(self) -> None:
         self.close()

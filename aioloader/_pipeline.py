@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ._collate import default_collate
-from ._samplers import Batcher, BatchSampler, use_rng
+from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
+from ._samplers import Batcher, BatchSampler, Group
 
 
 @dataclass(frozen=True)
@@ -22,46 +22,64 @@ class BatchOptions:
     chunk_size: int | None  # max_instances_in_memory; None = the whole pass at once
 
 
-class PassBatcher:
-    """A :class:`Batcher` for one pass whose randomness comes from its own seeded RNG.
+class ShardPass:
+    """One pass over one shard: instances in, batches out, each with its :data:`Mark`.
 
-    The RNG is installed around each call rather than for the whole pass, because a pass
-    may be driven from several tasks or threads in turn (the sync adapter does that).
+    The batcher cuts the pass into blocks; the start of each block (from ``shard.mark``) goes
+    with the block's first batch, so that the consumer always knows a position to resume
+    from. Resuming at ``start``, the batches of its block that were delivered already are
+    dropped here, before anything is collated.
     """
 
-    def __init__(self, options: BatchOptions, seed: int) -> None:
-        self.rng = random.Random(seed)
-        with use_rng(self.rng):
-            self._batcher = Batcher(batch_size=options.batch_size, drop_last=options.drop_last,
-                                    shuffle=options.shuffle, sampler=options.sampler,
-                                    chunk_size=options.chunk_size)
-        # Without a sampler the Batcher already holds its RNG: no context per instance.
-        self._needs_rng = options.sampler is not None
+    def __init__(self, shard: Shard, options: BatchOptions, seed: int,
+                 start: ShardPosition | None = None) -> None:
+        begin = start.start if start is not None else PASS_START
+        self.shard = shard
+        self.batcher = Batcher(batch_size=options.batch_size, drop_last=options.drop_last,
+                               shuffle=options.shuffle, sampler=options.sampler,
+                               chunk_size=options.chunk_size, seed=seed,
+                               first_block=begin.block)
+        self.taken = 0
+        self.starts: dict[int, BlockStart] = {begin.block: begin}
+        self._skip_block = begin.block
+        self._skip = start.batches if start is not None else 0
+        self.emitted = 0
 
-    def feed(self, instance: Any) -> list[list[Any]]:
-        if not self._needs_rng:
-            return self._batcher.feed(instance)
-        with use_rng(self.rng):
-            return self._batcher.feed(instance)
+    def feed(self, instance: Any) -> list[tuple[list[Any], Mark]]:
+        self.taken += 1
+        groups = self.batcher.feed(instance)
+        if self.batcher.filled == 0:  # a block just closed: the next one starts here
+            self.starts[self.batcher.block] = self.shard.mark(self.batcher.block, self.taken)
+        return self._marked(groups) if groups else []
 
-    def finish(self) -> list[list[Any]]:
-        with use_rng(self.rng):
-            return self._batcher.finish()
+    def finish(self) -> list[tuple[list[Any], Mark]]:
+        return self._marked(self.batcher.finish())
+
+    def _marked(self, groups: list[Group]) -> list[tuple[list[Any], Mark]]:
+        out = []
+        for block, index, items in groups:
+            if block == self._skip_block and index < self._skip:
+                continue  # delivered before the resume
+            start = self.starts.pop(block, None)
+            out.append((items, [block, index, start.to_wire() if start is not None else None]))
+        self.emitted += len(out)
+        return out
 
 
-def sync_batches(stream: Iterable[Any], batcher: PassBatcher) -> Iterator[list[Any]]:
+def sync_batches(stream: Iterable[Any],
+                 batcher: ShardPass) -> Iterator[tuple[list[Any], Mark]]:
     for instance in stream:
         yield from batcher.feed(instance)
     yield from batcher.finish()
 
 
 async def async_batches(stream: AsyncIterable[Any],
-                        batcher: PassBatcher) -> AsyncIterator[list[Any]]:
+                        batcher: ShardPass) -> AsyncIterator[tuple[list[Any], Mark]]:
     async for instance in stream:
-        for group in batcher.feed(instance):
-            yield group
-    for group in batcher.finish():
-        yield group
+        for marked in batcher.feed(instance):
+            yield marked
+    for marked in batcher.finish():
+        yield marked
 
 
 def collate_with(collate_fn: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], Any]:

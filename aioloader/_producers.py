@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._errors import ResumeError
+from ._position import ShardTracker, StreamPosition
 from ._session import PassDone, Step
 from ._supervisor import Delivered, Ended, Supervisor
 
@@ -52,19 +54,29 @@ class Plans:
     ``ahead``: a pass may be planned before the previous one is consumed. True for the
     loader's own sampling (a pure function of seed and pass); False for a user's sampler,
     whose ``set_epoch`` the user calls between epochs.
+
+    ``skip``: batches of the first pass delivered before a resume (issue 10); the plan is a
+    lazy sequence, so jumping over them costs nothing.
     """
 
-    def __init__(self, plan: Plan, first_pass: int, *, ahead: bool = True) -> None:
+    def __init__(self, plan: Plan, first_pass: int, *, ahead: bool = True,
+                 skip: int = 0) -> None:
         self.ahead = ahead
         self._plan = plan
         self._pass = first_pass
         self._batches: Sequence[list[int]] | None = None  # lazy: a batch is made when due
         self._produced = 0
+        self._skip = skip
 
     async def next(self) -> list[int] | PassDone:
         if self._batches is None:
             self._batches = await asyncio.to_thread(self._plan, self._pass)
-            self._produced = 0
+            self._produced, self._skip = self._skip, 0
+            if self._produced > len(self._batches):
+                raise ResumeError(
+                    f"the state says {self._produced} batches of epoch {self._pass} were "
+                    f"delivered, but this epoch has {len(self._batches)}: the data or the "
+                    "sampler changed since the state was taken")
         if self._produced < len(self._batches):
             self._produced += 1
             return self._batches[self._produced - 1]
@@ -101,15 +113,24 @@ class _OnWorkers:
 
 
 class WorkerStream(_OnWorkers):
-    """Each worker streams passes over its shard; batches are taken round-robin."""
+    """Each worker streams passes over its shard; batches are taken round-robin.
 
-    def __init__(self, sup: Supervisor) -> None:
+    The order is a function of each shard's batches alone, so the position (each shard's,
+    and whose turn it is) is enough to resume it exactly.
+    """
+
+    def __init__(self, sup: Supervisor, start: StreamPosition) -> None:
         self.sup = sup
         self.n = sup.num_workers
-        self._rr = 0
-        self._pending = set(range(self.n))
-        self._produced = 0
+        self._shards = [ShardTracker(p) for p in start.shards]
+        self._rr = start.next_shard
+        self._pending = set(start.pending)
+        self._produced = start.produced
         self._waiting: int | None = None
+
+    def position(self) -> StreamPosition:
+        return StreamPosition(tuple(t.position for t in self._shards), self._rr,
+                              tuple(sorted(self._pending)), self._produced)
 
     def _next_worker(self) -> int:
         """Round-robin over the workers whose pass is not over yet."""
@@ -132,7 +153,9 @@ class WorkerStream(_OnWorkers):
             self._waiting = None
             if isinstance(got, Ended):
                 self._pending.discard(w)
+                self._shards[w].ended()
                 continue
+            self._shards[w].delivered(got.mark)
             self._rr = w + 1
             self._produced += 1
             return got
@@ -156,10 +179,10 @@ class WorkerIndex(_OnWorkers):
     """
 
     def __init__(self, sup: Supervisor, plan: Plan, first_pass: int, slots: int, *,
-                 plan_ahead: bool = True) -> None:
+                 plan_ahead: bool = True, skip: int = 0) -> None:
         self.sup = sup
         self.n = sup.num_workers
-        self._plans = Plans(plan, first_pass, ahead=plan_ahead)
+        self._plans = Plans(plan, first_pass, ahead=plan_ahead, skip=skip)
         self._window = self.n * slots
         self._queue: collections.deque[_InFlight | PassDone] = collections.deque()
         self._seq = 0

@@ -8,7 +8,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar, overload
+from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 import torch
@@ -17,8 +17,7 @@ __all__ = [
     "BatchSampler",
     "Batcher",
     "BucketBatchSampler",
-    "batches_of",
-    "buffered_shuffle",
+    "Group",
     "current_rng",
     "derive_seed",
     "index_batches",
@@ -173,22 +172,6 @@ def index_batches(
         return list(split_batches(torch.arange(n), batch_size, drop_last))
     generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))
     return list(split_batches(torch.randperm(n, generator=generator), batch_size, drop_last))
-
-
-def buffered_shuffle(items: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:
-    """Shuffle a stream holding at most `buffer_size` items; every item comes out once."""
-    if buffer_size < 1:
-        raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
-    buffer: list[T] = []
-    for item in items:
-        if len(buffer) < buffer_size:
-            buffer.append(item)
-            continue
-        k = rng.randrange(buffer_size)
-        out, buffer[k] = buffer[k], item
-        yield out
-    rng.shuffle(buffer)
-    yield from buffer
 
 
 # ------------------------------------------------------------------------------- samplers
@@ -382,23 +365,36 @@ def plan_indices(
     return index_batches(n, batch_size, drop_last=drop_last, shuffle=shuffle, rng=rng)
 
 
+class Group(NamedTuple):
+    """One batch of instances, and where it lies in its pass: batch number ``batch`` of
+    block ``block`` (see :class:`Batcher`)."""
+
+    block: int
+    batch: int
+    items: list[Any]
+
+
 class Batcher:
     """Turns a stream of instances into batches, push-style, for sync and async loops alike.
 
-    Without a sampler, instances are shuffled (the whole pass when `chunk_size` is None, else
-    through a buffer of `chunk_size`) and cut into batches across the whole stream. With a
-    sampler, the stream is cut into chunks of `chunk_size` (None: one chunk) and the sampler
-    batches each chunk. With `chunk_size` set it holds at most max(chunk_size, batch_size)
-    instances. Randomness comes from `current_rng()` at construction. After `finish()` it is
-    ready for the next pass.
+    The stream is cut into **blocks** of `chunk_size` instances (None: the whole pass is one
+    block); without a sampler a block is rounded down to whole batches. A block is shuffled
+    (or given to the sampler) with its own generator, seeded from (`seed`, block number), and
+    batches never span two blocks except that, without shuffling or a sampler, they stream
+    out as soon as they are full. So a pass can be resumed from the start of any block: its
+    batches are a function of the block's instances and number alone (issue 10). At most
+    `chunk_size` instances are held. After `finish()` it is ready for the next pass.
+
+    `seed` None draws one from `current_rng()` at construction. `first_block` numbers the
+    first block (a pass resumed at that block).
 
     Examples:
         batcher = Batcher(batch_size=2, drop_last=False, shuffle=True, sampler=None,
-                          chunk_size=100)
+                          chunk_size=100, seed=7)
         for instance in stream:
-            for batch in batcher.feed(instance):
-                yield batch
-        yield from batcher.finish()
+            for group in batcher.feed(instance):
+                yield group.items
+        yield from (group.items for group in batcher.finish())
     """
 
     def __init__(
@@ -409,6 +405,8 @@ class Batcher:
         shuffle: bool,
         sampler: BatchSampler | None,
         chunk_size: int | None,
+        seed: int | None = None,
+        first_block: int = 0,
     ) -> None:
         _check_options(batch_size, drop_last, shuffle, sampler)
         if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
@@ -417,100 +415,65 @@ class Batcher:
         self._drop_last = drop_last
         self._shuffle = shuffle
         self._sampler = sampler
-        self._chunk_size = chunk_size
-        self._rng = current_rng()
-        # Instances waiting: the cached pass, the sampler's chunk, or the shuffle buffer.
-        self._pending: list[Any] = []
-        self._batch: list[Any] = []  # the batch being filled, when batches stream out
-        if sampler is not None or (shuffle and chunk_size is None):
-            self._capacity = chunk_size  # None: hold the whole pass
-        elif shuffle:
-            assert batch_size is not None and chunk_size is not None
-            # Draw a whole batch out of a full buffer, so buffer + batch stay within bounds.
-            self._capacity = max(chunk_size, batch_size)
+        self._seed = current_rng().getrandbits(64) if seed is None else seed
+        if chunk_size is None or sampler is not None:
+            self._capacity = chunk_size
         else:
-            self._capacity = 0  # no shuffle, no sampler: straight into batches
+            assert batch_size is not None
+            self._capacity = max(chunk_size // batch_size, 1) * batch_size
+        self._stream = sampler is None and not shuffle  # batches go out as they fill
+        self._first_block = first_block
+        self.block = first_block  # the block the next instance goes into
+        self.filled = 0  # instances in that block so far
+        self._pending: list[Any] = []  # the block's instances (sampler or shuffle)
+        self._batch: list[Any] = []  # the batch being filled (streaming)
+        self._index = 0  # batches of the block given out (streaming)
 
-    def feed(self, instance: Any) -> list[list[Any]]:
+    def feed(self, instance: Any) -> list[Group]:
         """Take one instance; return the batches it completes (often none)."""
-        if self._capacity == 0:
-            return self._add(instance)
-        self._pending.append(instance)
-        if len(self._pending) != self._capacity:
-            return []
-        if self._sampler is not None:
-            return self._sample_chunk()
-        return [self._draw_batch()]
-
-    def finish(self) -> list[list[Any]]:
-        """The remaining batches of this pass; resets for the next one."""
-        if self._sampler is not None:
-            batches = self._sample_chunk() if self._pending else []
-        elif self._pending:
-            pending, self._pending = self._pending, []
-            plan = plan_indices(
-                len(pending),
-                batch_size=self._batch_size,
-                drop_last=self._drop_last,
-                shuffle=self._shuffle,
-                sampler=None,
-                rng=self._rng,
-            )
-            batches = [[pending[i] for i in b] for b in plan]
+        self.filled += 1
+        if self._stream:
+            self._batch.append(instance)
+            out = [self._streamed()] if len(self._batch) == self._batch_size else []
         else:
-            batches = []
-            if self._batch and not self._drop_last:
-                batches.append(self._batch)
-        self._batch = []
-        return batches
+            self._pending.append(instance)
+            out = self._close_block() if self.filled == self._capacity else []
+        if self.filled == self._capacity:
+            self._next_block()
+        return out
 
-    def _add(self, instance: Any) -> list[list[Any]]:
-        self._batch.append(instance)
-        if len(self._batch) == self._batch_size:
-            batch, self._batch = self._batch, []
-            return [batch]
-        return []
+    def finish(self) -> list[Group]:
+        """The remaining batches of this pass; resets for the next one."""
+        if self._stream:
+            out = [self._streamed()] if self._batch and not self._drop_last else []
+        else:
+            out = self._close_block(last=True) if self._pending else []
+        self._batch, self._pending = [], []
+        self.block, self.filled, self._index = self._first_block, 0, 0
+        return out
 
-    def _draw_batch(self) -> list[Any]:
-        assert self._batch_size is not None
-        pending, batch = self._pending, []
-        for _ in range(self._batch_size):
-            k = self._rng.randrange(len(pending))
-            batch.append(pending[k])
-            pending[k] = pending[-1]  # swap-remove: O(1) per draw
-            pending.pop()
-        return batch
+    def _next_block(self) -> None:
+        self.block += 1
+        self.filled = 0
+        self._index = 0
 
-    def _sample_chunk(self) -> list[list[Any]]:
-        assert self._sampler is not None
+    def _streamed(self) -> Group:
+        batch, self._batch = self._batch, []
+        self._index += 1
+        return Group(self.block, self._index - 1, batch)
+
+    def _close_block(self, last: bool = False) -> list[Group]:
         chunk, self._pending = self._pending, []
-        # The sampler draws from current_rng(): make that this batcher's generator.
-        with use_rng(self._rng):
-            plan = self._sampler.get_batch_indices(chunk)
-            return [[chunk[i] for i in b] for b in plan]
-
-
-def batches_of(
-    instances: Iterable[Any],
-    *,
-    batch_size: int | None = None,
-    drop_last: bool = False,
-    shuffle: bool = False,
-    sampler: BatchSampler | None = None,
-    chunk_size: int | None = None,
-) -> list[list[Any]]:
-    """All batches of one pass over `instances`, as `Batcher` makes them."""
-    batcher = Batcher(
-        batch_size=batch_size,
-        drop_last=drop_last,
-        shuffle=shuffle,
-        sampler=sampler,
-        chunk_size=chunk_size,
-    )
-    batches: list[list[Any]] = []
-    for instance in instances:
-        batches += batcher.feed(instance)
-    return batches + batcher.finish()
+        rng = random.Random(derive_seed(self._seed, self.block))
+        if self._sampler is not None:
+            # The sampler draws from current_rng(): make that this block's generator.
+            with use_rng(rng):
+                plan = [list(b) for b in self._sampler.get_batch_indices(chunk)]
+        else:
+            plan = plan_indices(len(chunk), batch_size=self._batch_size,
+                                drop_last=self._drop_last and last, shuffle=True,
+                                sampler=None, rng=rng)
+        return [Group(self.block, k, [chunk[i] for i in b]) for k, b in enumerate(plan)]
 
 
 def _check_options(

@@ -9,6 +9,7 @@ from typing import Any
 
 from ._local import LocalIndex, LocalInstances, LocalStream
 from ._pipeline import BatchOptions
+from ._position import ShardPosition, StreamPosition
 from ._producers import Plan, WorkerIndex, WorkerInstances, WorkerStream
 from ._session import Producer
 from ._sources import Kind
@@ -39,31 +40,42 @@ class Setup:
     world_size: int
     timed: bool  # a timeout is set: progress is reported, nothing runs inline
 
-    def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int) -> Supervisor:
+    def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
+                    starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
         spec = WorkerSpec(
             source=source, kind=kind, data_path=self.data_path, plan=role,
             options=self.options, collate_fn=self.collate_fn, worker_id=0,
             num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
             seed=self.seed, first_pass=first_pass, slots=self.prefetch,
             parent_pid=os.getpid() if self.start_method != "forkserver" else 0,
-            progress=self.timed)
+            progress=self.timed, starts=starts)
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
 
-    def stream(self, first_pass: int, seed_for: Callable[[int], int]) -> Producer:
-        """Batches of passes over a streaming source, each worker over its shard."""
+    @property
+    def shards(self) -> int:
+        """How many shards a stream is read in (one per worker; one in this process)."""
+        return max(self.num_workers, 1)
+
+    def stream(self, start: StreamPosition, seed_for: Callable[[int], int]) -> Producer:
+        """Batches of passes over a streaming source, each worker over its shard, from
+        ``start`` on (``StreamPosition.begin(pass, shards)``: a pass's start)."""
         if self.num_workers == 0:
             return LocalStream(self.source, self.kind, self.data_path, self.options,
-                               self.collate_fn, seed_for, first_pass, self.rank,
-                               self.world_size, timed=self.timed)
-        return WorkerStream(self._supervisor("stream", self.source, self.kind, first_pass))
+                               self.collate_fn, seed_for, start.shards[0], self.rank,
+                               self.world_size, timed=self.timed, produced=start.produced)
+        first_pass = min(p.pass_no for p in start.shards)
+        sup = self._supervisor("stream", self.source, self.kind, first_pass, start.shards)
+        return WorkerStream(sup, start)
 
     def index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
-              plan_ahead: bool) -> Producer:
-        """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``."""
+              plan_ahead: bool, skip: int = 0) -> Producer:
+        """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``;
+        ``skip``: batches of the first pass already delivered (a resume)."""
         if self.num_workers == 0:
-            return LocalIndex(data, plan, first_pass, self.collate_fn, timed=self.timed)
+            return LocalIndex(data, plan, first_pass, self.collate_fn, timed=self.timed,
+                              skip=skip)
         return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
-                           first_pass, self.prefetch, plan_ahead=plan_ahead)
+                           first_pass, self.prefetch, plan_ahead=plan_ahead, skip=skip)
 
     def instances(self, pass_no: int) -> Producer:
         """One pass of a streaming source's instances, in chunks (to fill a cache)."""

@@ -62,10 +62,12 @@ GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long
 
 @dataclass(frozen=True, slots=True)
 class Delivered:
-    """A batch (or a chunk of instances), the consumer's own; ``seq`` as the worker sent it."""
+    """A batch (or a chunk of instances), the consumer's own; ``seq`` and ``mark`` (where a
+    stream's batch lies in its pass) as the worker sent them."""
 
     value: Any
     seq: int = -1
+    mark: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +287,7 @@ class Supervisor:
                     w.ledger.skip(msg.slot)
                     return Ended(msg.pass_no)
                 value = await w.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
-                return Delivered(value, msg.seq)
+                return Delivered(value, msg.seq, msg.mark)
             assert self._loop is not None, "receive() outside an attached epoch"
             w.ledger.reclaim()
             self._waiter = self._loop.create_future()

@@ -54,7 +54,8 @@ class Batch:
     """A batch lies in arena slot ``slot``; ``tree`` is its encoded structure (see _codec).
 
     ``nbytes``: how much tensor data the slot holds, so the parent knows what copying it
-    out costs before it starts.
+    out costs before it starts. ``mark``: where a stream's batch lies in its pass
+    (``_position.Mark``), so that the parent knows where to resume; None for index batches.
     """
 
     TAG: ClassVar[Tag] = Tag.BATCH
@@ -62,6 +63,7 @@ class Batch:
     seq: int
     nbytes: int
     tree: Any
+    mark: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -33,7 +33,8 @@ from ._codec import encode, tensors_nbytes
 from ._collate import use_allocator
 from ._dataplane import SlotPool
 from ._info import WorkerInfo, set_worker_info
-from ._pipeline import BatchOptions, PassBatcher, async_batches, collate_with
+from ._pipeline import BatchOptions, ShardPass, async_batches, collate_with
+from ._position import PASS_START, Mark, Shard, ShardPosition
 from ._samplers import derive_seed
 from ._sources import Kind, as_async, fetch, is_async, open_shard
 
@@ -62,9 +63,16 @@ class WorkerSpec:
     slots: int
     parent_pid: int
     progress: bool = False  # a timeout is set: say Progress while reading (it measures silence)
+    starts: tuple[ShardPosition, ...] | None = None  # per worker: where a resumed stream starts
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
+
+    def start(self) -> ShardPosition:
+        """Where this worker's stream starts (a resumed loader's position, issue 10)."""
+        if self.starts is None:
+            return ShardPosition(self.first_pass)
+        return self.starts[self.worker_id]
 
     def seed_for(self, pass_no: int) -> int:
         return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
@@ -206,7 +214,7 @@ class _Channel:
         finally:
             self.loop.remove_writer(fd)
 
-    async def emit(self, seq: int, make: Callable[[], Any]) -> bool:
+    async def emit(self, seq: int, make: Callable[[], Any], mark: Mark | None = None) -> bool:
         """Build one message body in a free slot with ``make()`` and send it.
 
         The collate writes straight into the slot (its allocator); whatever it made
@@ -234,7 +242,7 @@ class _Channel:
             writer = SlotWriter(self._arena(), slot)
             tree = encode(payload, writer)
         nbytes = writer.pos - writer.start
-        await self.send(wire.Batch(slot, seq, nbytes, tree))
+        await self.send(wire.Batch(slot, seq, nbytes, tree, mark))
         return True
 
     def _arena(self) -> ArenaMap:
@@ -309,9 +317,8 @@ def _collate(spec: WorkerSpec, group: list[Any]) -> Callable[[], Any]:
     return lambda: collate(group)
 
 
-async def _instances(spec: WorkerSpec, chan: _Channel) -> AsyncIterator[Any]:
-    stream = open_shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
-                        spec.num_workers, spec.rank, spec.world_size)
+async def _instances(spec: WorkerSpec, chan: _Channel,
+                     stream: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
     agen = stream if is_async(stream) else as_async(stream)  # type: ignore[arg-type]
     async for item in agen:  # type: ignore[union-attr]
         if spec.progress:
@@ -321,7 +328,9 @@ async def _instances(spec: WorkerSpec, chan: _Channel) -> AsyncIterator[Any]:
 
 async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
     """Passes over this worker's shard, one after the other, until the parent stops us."""
-    pass_no = spec.first_pass
+    start: ShardPosition | None = spec.start()
+    assert start is not None
+    pass_no = start.pass_no
     while True:
         seed = spec.seed_for(pass_no)
         set_worker_info(WorkerInfo(spec.num_workers, spec.worker_id, seed, spec.rank,
@@ -331,9 +340,14 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
         if spec.plan == "instances":
             sent = await _send_instances(spec, chan)
         else:
-            batcher = PassBatcher(spec.options, seed)
-            async for group in async_batches(_instances(spec, chan), batcher):
-                if not await chan.emit(sent, _collate(spec, group)):
+            shard = Shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
+                          spec.num_workers, spec.rank, spec.world_size,
+                          start.start if start is not None else PASS_START)
+            batcher = ShardPass(shard, spec.options, seed, start)
+            start = None
+            async for group, mark in async_batches(_instances(spec, chan, shard.stream),
+                                                   batcher):
+                if not await chan.emit(sent, _collate(spec, group), mark):
                     return
                 sent += 1
         slot = await chan.slot()  # a pass end takes a slot too: bounded, even when empty
@@ -349,7 +363,9 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
 async def _send_instances(spec: WorkerSpec, chan: _Channel) -> int:
     chunk: list[Any] = []
     sent = 0
-    async for inst in _instances(spec, chan):
+    stream = open_shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
+                        spec.num_workers, spec.rank, spec.world_size)
+    async for inst in _instances(spec, chan, stream):
         chunk.append(inst)
         if len(chunk) >= INSTANCE_CHUNK:
             if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]

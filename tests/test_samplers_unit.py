@@ -17,8 +17,7 @@ from aioloader._samplers import (
     Batcher,
     BatchSampler,
     BucketBatchSampler,
-    batches_of,
-    buffered_shuffle,
+    Group,
     current_rng,
     derive_seed,
     index_batches,
@@ -155,7 +154,7 @@ def test_num_batches_validates() -> None:
         num_batches(10, 0, False)
 
 
-# ------------------------------------------------------------------------------ buffered shuffle
+# ------------------------------------------------------------------------------ Batcher
 
 
 class Counted:
@@ -169,31 +168,6 @@ class Counted:
         for i in range(self.n):
             self.pulled += 1
             yield i
-
-
-@FAST
-@given(n=st.integers(0, 300), buffer_size=st.integers(1, 50), seed=st.integers(0, 2**32))
-def test_buffered_shuffle_emits_each_item_once_within_its_buffer(
-    n: int, buffer_size: int, seed: int
-) -> None:
-    source = Counted(n)
-    out = []
-    for item in buffered_shuffle(source, buffer_size, random.Random(seed)):
-        out.append(item)
-        held = source.pulled - len(out)
-        assert held <= buffer_size
-    assert sorted(out) == list(range(n))
-
-
-def test_buffered_shuffle_shuffles_and_reproduces() -> None:
-    a = list(buffered_shuffle(range(100), 10, random.Random(5)))
-    assert a == list(buffered_shuffle(range(100), 10, random.Random(5)))
-    assert a != list(range(100))
-    with pytest.raises(ValueError, match="buffer_size"):
-        list(buffered_shuffle(range(3), 0, random.Random()))
-
-
-# ------------------------------------------------------------------------------ Batcher
 
 
 class EveryOther(BatchSampler):
@@ -210,7 +184,11 @@ class EveryOther(BatchSampler):
 
 
 def feed_all(batcher: Batcher, items: Any) -> list[list[Any]]:
-    out: list[list[Any]] = []
+    return [group.items for group in feed_groups(batcher, items)]
+
+
+def feed_groups(batcher: Batcher, items: Any) -> list[Group]:
+    out: list[Group] = []
     for item in items:
         out += batcher.feed(item)
     return out + batcher.finish()
@@ -248,12 +226,12 @@ def test_batcher_without_sampler_cuts_across_the_stream(
     batches: list[list[int]] = []
     emitted = 0
     for item in source:
-        new = batcher.feed(item)
+        new = [group.items for group in batcher.feed(item)]
         batches += new
         emitted += sum(len(b) for b in new)
         if chunk_size is not None:
             assert source.pulled - emitted <= max(chunk_size, batch_size)
-    batches += batcher.finish()
+    batches += [group.items for group in batcher.finish()]
     assert len(batches) == num_batches(n, batch_size, drop_last)
     assert all(len(b) == batch_size for b in batches[:-1])
     flat = [i for b in batches for i in b]
@@ -282,10 +260,10 @@ def test_batcher_with_sampler_applies_it_per_chunk(n: int, chunk: int | None) ->
     source = Counted(n)
     batches: list[list[int]] = []
     for item in source:
-        batches += batcher.feed(item)
+        batches += [group.items for group in batcher.feed(item)]
         if chunk is not None:
             assert source.pulled - sum(len(b) for b in batches) <= chunk
-    batches += batcher.finish()
+    batches += [group.items for group in batcher.finish()]
     flat = sorted(i for b in batches for i in b)
     assert flat == list(range(n))
     size = chunk or max(n, 1)
@@ -299,6 +277,7 @@ def test_batcher_with_sampler_applies_it_per_chunk(n: int, chunk: int | None) ->
 def test_batcher_agrees_with_plan_indices(
     shuffle: bool, drop_last: bool, use_sampler: bool
 ) -> None:
+    """A whole pass is one block: planned as plan_indices plans it, with block 0's rng."""
     instances = [{"text": "x" * (i * 7 % 13), "i": i} for i in range(53)]
     if use_sampler:
         sampler: BatchSampler | None = BucketBatchSampler(5, drop_last=drop_last)
@@ -307,26 +286,58 @@ def test_batcher_agrees_with_plan_indices(
         sampler = None
         options = dict(batch_size=5, drop_last=drop_last, shuffle=shuffle)
     for seed in range(3):
-        plan = plan_indices(instances, sampler=sampler, rng=random.Random(seed), **options)
-        with use_rng(random.Random(seed)):
-            got = batches_of(instances, sampler=sampler, **options)
+        block_rng = random.Random(derive_seed(seed, 0))
+        plan = plan_indices(instances, sampler=sampler, rng=block_rng, **options)
+        batcher = Batcher(sampler=sampler, chunk_size=None, seed=seed, **options)
+        got = feed_all(batcher, instances)
         assert got == [[instances[i] for i in b] for b in plan]
-        if not use_sampler:
-            assert plan == plan_indices(
-                len(instances), sampler=None, rng=random.Random(seed), **options
-            )
 
 
-def test_batcher_takes_its_rng_at_construction_and_is_reusable() -> None:
+def test_batcher_takes_its_seed_at_construction_and_is_reusable() -> None:
     with use_rng(random.Random(9)):
         batcher = Batcher(
             batch_size=3, drop_last=False, shuffle=True, sampler=None, chunk_size=None
         )
-    first = feed_all(batcher, range(10))  # outside use_rng: still the rng it was built with
+    seed = random.Random(9).getrandbits(64)
+    first = feed_all(batcher, range(10))  # outside use_rng: still the seed it was built with
     second = feed_all(batcher, range(10))
-    rng = random.Random(9)
-    assert first == index_batches(10, 3, drop_last=False, shuffle=True, rng=rng)
-    assert second == index_batches(10, 3, drop_last=False, shuffle=True, rng=rng)
+    expected = index_batches(10, 3, drop_last=False, shuffle=True,
+                             rng=random.Random(derive_seed(seed, 0)))
+    assert first == second == expected
+
+
+@FAST
+@given(
+    n=st.integers(0, 90),
+    batch_size=st.integers(1, 7),
+    extra=st.integers(0, 12),
+    mode=st.sampled_from(["stream", "shuffle", "sampler"]),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_a_pass_resumed_at_any_block_start_gives_the_rest_of_the_same_batches(
+    n: int, batch_size: int, extra: int, mode: str, drop_last: bool, seed: int
+) -> None:
+    """Issue 10: a block's batches depend on its instances and its number only, so feeding
+    the instances from a block's start on, numbered from that block, repeats the tail."""
+    options: dict[str, Any] = dict(batch_size=batch_size, drop_last=drop_last,
+                                   shuffle=mode == "shuffle", sampler=None)
+    if mode == "sampler":
+        options = dict(batch_size=None, drop_last=False, shuffle=False,
+                       sampler=BucketBatchSampler(batch_size, ["text"], drop_last=drop_last))
+    chunk = batch_size + extra
+    items = [{"text": "x" * (i * 5 % 11), "i": i} for i in range(n)]
+    whole = feed_groups(Batcher(chunk_size=chunk, seed=seed, **options), items)
+    probe = Batcher(chunk_size=chunk, seed=seed, **options)
+    starts = [0]  # the instances taken before each block starts
+    for taken, item in enumerate(items, 1):
+        probe.feed(item)
+        if probe.filled == 0:
+            starts.append(taken)
+    for block, start in enumerate(starts):
+        tail = feed_groups(Batcher(chunk_size=chunk, seed=seed, first_block=block, **options),
+                           items[start:])
+        assert tail == [g for g in whole if g.block >= block]
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import gc
 import multiprocessing
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,23 @@ def test_a_loader_consumed_from_a_worker_thread(face, num_workers):
 
 
 # --------------------------------------------------------------- next(iter(loader)) x 20
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("lazy", [None, 16])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dropped_loader_is_collected_whatever_its_mode(num_workers, lazy):
+    """A lazy in-process loader once held itself through its producer (a bound method of
+    the loader given as the seed function), so it was never collected and kept its loop's
+    fds: the leak check after this test fails on that."""
+    loader = aioloader.DataLoader(dist_helpers.Numbers(40), batch_size=8,
+                                  num_workers=num_workers, max_instances_in_memory=lazy,
+                                  quiet=True)
+    assert sum(len(b["index"]) for b in loader) == 40
+    ref = weakref.ref(loader)
+    del loader
+    gc.collect()
+    assert ref() is None
+
 
 @pytest.mark.deadline(120)
 def test_next_iter_loader_in_a_loop():

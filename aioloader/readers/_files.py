@@ -94,9 +94,24 @@ class ByteSource:
         self._draining = False  # the decompressor may hold output for the next call
 
     @classmethod
-    async def open(cls, path: str, chunk_size: int = CHUNK_SIZE) -> ByteSource:
+    async def open(cls, path: str, chunk_size: int = CHUNK_SIZE, offset: int = 0) -> ByteSource:
+        """``path``, its reads starting ``offset`` uncompressed bytes in.
+
+        A plain file seeks there; a gzip one has no index to seek with, so it is inflated from
+        its start and the first ``offset`` bytes are discarded. An offset past the end of the
+        (uncompressed) data is a ValueError.
+        """
+        if offset < 0:
+            raise ValueError(f"offset must be at least 0, got {offset}")
         fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
-        return cls(path, fd, chunk_size)
+        source = cls(path, fd, chunk_size)
+        if offset:
+            try:
+                await source._seek(offset)
+            except BaseException:
+                source.close()
+                raise
+        return source
 
     def close(self) -> None:
         """Synchronous, so that it also runs in a generator finalised off its loop."""
@@ -111,7 +126,8 @@ class ByteSource:
         gzip file that ends early.
         """
         if self.gzip is None:
-            first = await self._read_raw()
+            # At least the magic bytes: chunk_size=1 missed a gzip file without the suffix.
+            first = await self._read_raw(max(self.chunk_size, len(GZIP_MAGIC)))
             self.gzip = self.path.endswith(".gz") or first.startswith(GZIP_MAGIC)
             if not self.gzip:
                 return first
@@ -122,7 +138,31 @@ class ByteSource:
             return await self._read_raw()
         return await self._read_gzip()
 
-    async def _read_raw(self) -> bytes:
+    async def _seek(self, offset: int) -> None:
+        self.gzip = await asyncio.to_thread(self._detect_and_seek, offset)
+        # Discarded in pieces of at least CHUNK_SIZE, each at most what is left to discard:
+        # the last one ends exactly at the offset, so no output is held back for read().
+        step = max(self.chunk_size, CHUNK_SIZE)
+        left = offset
+        while left and self.gzip:
+            discarded = len(await self._read_gzip(min(left, step)))
+            if not discarded:
+                raise ValueError(f"cannot seek to byte {offset} of {self.path}: it inflates "
+                                 f"to {offset - left} bytes")
+            left -= discarded
+
+    def _detect_and_seek(self, offset: int) -> bool:
+        """Whether the file is gzip; a plain one is left at ``offset``. Runs in a thread."""
+        if self.path.endswith(".gz") or os.read(self._fd, len(GZIP_MAGIC)) == GZIP_MAGIC:
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            return True
+        size = os.fstat(self._fd).st_size
+        if offset > size:
+            raise ValueError(f"cannot seek to byte {offset} of {self.path}: it has {size} bytes")
+        os.lseek(self._fd, offset, os.SEEK_SET)
+        return False
+
+    async def _read_raw(self, size: int | None = None) -> bytes:
         # aiofiles binds a file to the loop that opened it; the pass may move to another
         # loop (see the class docstring), so the same descriptor is re-wrapped for each.
         loop = asyncio.get_running_loop()
@@ -130,13 +170,15 @@ class ByteSource:
             self._file = await aiofiles.open(self._fd, "rb", buffering=0, closefd=False,
                                              loop=loop)
             self._loop = loop
-        data = await self._file.read(self.chunk_size)
+        data = await self._file.read(self.chunk_size if size is None else size)
         return data or b""
 
-    async def _read_gzip(self) -> bytes:
+    async def _read_gzip(self, limit: int | None = None) -> bytes:
+        """At most ``limit`` (default: chunk size) inflated bytes; ``b""`` at the end."""
+        limit = self.chunk_size if limit is None else limit
         while True:
             if not self._pending and not self._draining:
-                self._pending = await self._read_raw()
+                self._pending = await self._read_raw(max(self.chunk_size, min(limit, CHUNK_SIZE)))
                 if not self._pending:
                     if self._inflate is not None:
                         raise TruncatedGzipError(
@@ -148,13 +190,13 @@ class ByteSource:
                 if not self._pending:
                     continue
                 self._inflate = zlib.decompressobj(wbits=31)
-            out: bytes = self._inflate.decompress(self._pending, self.chunk_size)
+            out: bytes = self._inflate.decompress(self._pending, limit)
             if self._inflate.eof:
                 self._pending = self._inflate.unused_data
                 self._inflate = None
                 self._draining = False
             else:
                 self._pending = self._inflate.unconsumed_tail
-                self._draining = len(out) >= self.chunk_size
+                self._draining = len(out) >= limit
             if out:
                 return out

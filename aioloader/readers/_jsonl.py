@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import hashlib
+import itertools
 import json
+import os
 import warnings
 import zlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._info import get_worker_info
@@ -16,6 +20,9 @@ from ._files import CHUNK_SIZE, ByteSource, TruncatedGzipError, expand_paths
 
 _DECODE = json.JSONDecoder().decode  # what json.loads(str) calls, minus its checks
 LOOP_TURN = 256  # lines parsed between two turns given to the event loop
+STATE_VERSION = 1  # of the dicts that JsonLinesReader.state_dict() returns
+_BOM = codecs.BOM_UTF8
+_STATE_INTS = ("shard", "shards", "file", "offset", "file_lines", "lines_before")
 
 
 class JsonLinesError(ValueError):
@@ -46,6 +53,13 @@ class JsonLinesReader(Reader):
     (world_size x num_workers), file i goes to shard i % S when there are at least S files,
     otherwise line j of the whole sorted corpus goes to shard j % S.
 
+    A pass can be resumed: :meth:`state_dict` is the position after the last instance that
+    the latest :meth:`read` pass yielded, and after :meth:`load_state_dict` the next pass
+    (same files, same shard) yields exactly the instances that followed it. A plain file is
+    seeked to that position and the files before it are not opened; a gzip file has no index
+    to seek with, so it is inflated from its start and the bytes before the position are
+    discarded (not parsed). ``num_skipped`` counts from 0 again in a resumed pass.
+
     Args:
         transform: applied to each parsed value; its result is the instance. With
             ``start_method="spawn"`` or ``"forkserver"`` it must be picklable (a module-level
@@ -61,6 +75,11 @@ class JsonLinesReader(Reader):
         >>> from aioloader.readers import JsonLinesReader
         >>> loader = aioloader.DataLoader(JsonLinesReader(), "data/*.jsonl.gz",
         ...                               batch_size=32, num_workers=2)  # doctest: +SKIP
+        >>> state = JsonLinesReader().state_dict()  # before any pass: the start
+        >>> (state["file"], state["offset"])
+        (0, 0)
+        >>> resumed = JsonLinesReader()
+        >>> resumed.load_state_dict(state)  # the next resumed.read(...) starts there
     """
 
     manual_multiprocess_sharding = True
@@ -81,6 +100,13 @@ class JsonLinesReader(Reader):
         self.encoding = codec.name
         self.chunk_size = chunk_size
         self.num_skipped = 0  # invalid lines skipped in the last pass (skip_invalid=True)
+        self._cursor: _Cursor | None = None  # where the latest pass stands
+        self._loaded: dict[str, Any] | None = None  # where the next pass starts
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A cursor holds the block of lines being parsed (up to a chunk): not worth shipping
+        # to a worker, whose copy has not read anything.
+        return {**self.__dict__, "_cursor": None}
 
     def __repr__(self) -> str:
         return (f"JsonLinesReader(transform={self.transform!r}, "
@@ -90,42 +116,84 @@ class JsonLinesReader(Reader):
         """The files ``data_path`` names, in the order they are read."""
         return expand_paths(data_path)
 
-    async def read(self, data_path: Any) -> AsyncIterator[Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """Where the latest pass stands: just after the last instance it yielded.
+
+        Before any pass, the start; after a pass, its end; after :meth:`load_state_dict`, the
+        state loaded. A small dict of JSON values, cheap to take between two instances:
+        ``reader`` and ``version`` (of this format), ``shard`` of ``shards``, the files read
+        (``num_files`` and ``files_digest``, None before any pass), ``file`` (the index of the
+        one being read; ``num_files`` at the end) and its ``path``, ``offset`` (uncompressed
+        bytes of it before the position), ``file_lines`` (its lines before the position) and
+        ``lines_before`` (lines of the earlier files, for sharding by line).
+        """
+        if self._loaded is not None:
+            return dict(self._loaded)
+        return self._cursor.state() if self._cursor is not None else _start_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next :meth:`read` start where ``state`` (from :meth:`state_dict`) was taken.
+
+        Only the next pass: the one after it starts from the beginning again. A dict that is
+        not such a state is a ValueError here; one taken over other files or for another
+        shard is a ValueError from that pass.
+        """
+        self._loaded = _checked(state)
+
+    def read(self, data_path: Any) -> AsyncIterator[Any]:
         """This process's share of the instances in the files ``data_path`` names."""
+        loaded, self._loaded = self._loaded, None
+        cursor = self._cursor = _Cursor(loaded)
+        return self._read(data_path, cursor)
+
+    async def _read(self, data_path: Any, cursor: _Cursor) -> AsyncIterator[Any]:
         files = expand_paths(data_path)
         shard, shards = _shard()
-        decode, encoding, transform = _DECODE, self.encoding, self.transform
         by_file = len(files) >= shards
+        # Where this pass starts: the file, the offset in it, and the lines before that.
+        first_file = offset = file_lines = lines_before = 0
+        if cursor.origin is not None:
+            _check_fits(cursor.origin, files, shard, shards, by_file)
+            first_file, offset, file_lines, lines_before = (
+                cursor.origin[key] for key in ("file", "offset", "file_lines", "lines_before"))
+        cursor.files, cursor.shard, cursor.shards = files, shard, shards
+        decode, encoding, transform = _DECODE, self.encoding, self.transform
+        step = 1 if by_file else shards
         self.num_skipped = 0
         parsed = 0
-        lines_before = 0  # physical lines of the earlier files: the global line counter
-        for i, path in enumerate(files):
+        for i in range(first_file, len(files)):
             if by_file and i % shards != shard:
                 continue
-            step = 1 if by_file else shards
-            source = await ByteSource.open(path, self.chunk_size)
+            path = files[i]
+            cursor.enter(i, lines_before, offset, file_lines)
+            source, head = await _open_at(path, self.chunk_size, offset, file_lines)
             try:
-                file_lines = 0  # lines of this file handled so far
+                done = offset  # the byte offset of the first byte not yet in a block
                 tail: list[bytes] = []  # the start of a line that continues in the next chunk
-                first_chunk, eof = True, False
+                eof = False
                 while not eof:
-                    chunk = await _read_chunk(source, file_lines)
+                    chunk = head or await _read_chunk(source, file_lines)
+                    head = b""
                     if chunk:
-                        if first_chunk and chunk.startswith(codecs.BOM_UTF8):
-                            chunk = chunk[len(codecs.BOM_UTF8):]
-                        first_chunk = False
                         end = chunk.rfind(b"\n")
                         if end < 0:
                             tail.append(chunk)
                             continue
                         block = b"".join([*tail, chunk[:end]]) if tail else chunk[:end]
                         tail = [chunk[end + 1:]] if end + 1 < len(chunk) else []
+                        start, done = done, done + len(block) + 1
                     else:  # the end of the file: a last line without a newline
                         eof = True
                         if not tail:
                             break
                         block, tail = b"".join(tail), []
+                        start, done = done, done + len(block)
+                    skew = 0
+                    if start == 0 and block.startswith(_BOM):  # a chunk may hold part of it
+                        block, skew = block[len(_BOM):], len(_BOM)
                     lines = block.split(b"\n")
+                    cursor.start, cursor.end, cursor.skew = start, done, skew
+                    cursor.block_lines, cursor.lines, cursor.k = file_lines, lines, -1
                     first = 0 if by_file else (shard - lines_before - file_lines) % shards
                     for k in range(first, len(lines), step):
                         line = lines[k]
@@ -136,6 +204,7 @@ class JsonLinesReader(Reader):
                         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
                             self._invalid(path, file_lines + k + 1, exc)
                             continue
+                        cursor.k = k  # all the bookkeeping per line: state() does the rest
                         yield value if transform is None else transform(value)
                         parsed += 1
                         if parsed % LOOP_TURN == 0:  # parsing a chunk must not hog the loop
@@ -144,6 +213,8 @@ class JsonLinesReader(Reader):
             finally:
                 source.close()
             lines_before += file_lines
+            offset = file_lines = 0
+        cursor.enter(len(files), lines_before, 0, 0)
 
     def _invalid(self, path: str, line_number: int, exc: ValueError) -> None:
         """Raise for a line that does not parse, or count it (and warn about the first)."""
@@ -164,6 +235,155 @@ async def _read_chunk(source: ByteSource, lines_done: int) -> bytes:
     except (zlib.error, TruncatedGzipError) as exc:
         raise JsonLinesError(f"{source.path}: corrupt gzip data after line {lines_done} "
                              f"({exc})", source.path, lines_done) from exc
+
+
+async def _open_at(path: str, chunk_size: int, offset: int, lines_done: int,
+                   ) -> tuple[ByteSource, bytes]:
+    """``path`` opened at ``offset``, and the bytes already read past it.
+
+    A resumed pass checks the byte before the offset: a line must start there (or the file
+    end, after a last line without a newline), else the state does not fit the file.
+    """
+    if not offset:
+        return await ByteSource.open(path, chunk_size), b""
+    past_end = f"JsonLinesReader state does not fit {path}: offset {offset} is past its end"
+    try:
+        source = await ByteSource.open(path, chunk_size, offset - 1)
+    except ValueError as exc:
+        raise ValueError(past_end) from exc
+    except (zlib.error, TruncatedGzipError) as exc:
+        raise JsonLinesError(f"{path}: corrupt gzip data before byte {offset} ({exc})",
+                             path, lines_done) from exc
+    try:
+        before = await _read_chunk(source, lines_done)
+        if before[:1] == b"\n":
+            return source, before[1:]
+        if not before:
+            raise ValueError(past_end)
+        if len(before) > 1 or await _read_chunk(source, lines_done):
+            raise ValueError(f"JsonLinesReader state does not fit {path}: offset {offset} is "
+                             "not where a line starts (did the file change?)")
+        return source, b""
+    except BaseException:
+        source.close()
+        raise
+
+
+@dataclass(slots=True, eq=False)
+class _Cursor:
+    """Where one pass stands: the block of lines it yields from, and the last one it yielded.
+
+    The pass updates it once per block, and once per instance only ``k``; :meth:`state` does
+    the arithmetic when asked.
+    """
+
+    origin: dict[str, Any] | None  # the loaded state the pass starts from, if any
+    files: list[str] | None = None  # None until the pass has started
+    shard: int = 0
+    shards: int = 1
+    file: int = 0  # index in files of the file being read; len(files) at the end
+    lines_before: int = 0  # lines of the earlier files (the ones this shard read)
+    start: int = 0  # byte offset in the file (uncompressed) where the block starts
+    end: int = 0  # and just past it: past its newline, if it has one
+    skew: int = 0  # bytes of a BOM cut off the block's first line
+    block_lines: int = 0  # lines of the file before the block
+    lines: list[bytes] = field(default_factory=list)
+    k: int = -1  # index in lines of the last line yielded; -1: none of this block yet
+    digest: str | None = None  # of files, computed once
+
+    def enter(self, file: int, lines_before: int, offset: int, file_lines: int) -> None:
+        self.file, self.lines_before, self.start, self.end = file, lines_before, offset, offset
+        self.skew, self.block_lines, self.lines, self.k = 0, file_lines, [], -1
+
+    def state(self) -> dict[str, Any]:
+        if self.files is None:  # the pass has not started
+            return dict(self.origin) if self.origin is not None else _start_state()
+        k, lines = self.k, self.lines
+        if k + 1 == len(lines):
+            offset = self.end
+        elif k < 0:
+            offset = self.start
+        else:  # each line up to k and its newline
+            offset = self.start + self.skew + sum(map(len, itertools.islice(lines, k + 1))) + k + 1
+        if self.digest is None:
+            self.digest = _digest(self.files)
+        return {
+            "reader": "JsonLinesReader", "version": STATE_VERSION,
+            "shard": self.shard, "shards": self.shards,
+            "num_files": len(self.files), "files_digest": self.digest,
+            "file": self.file,
+            "path": self.files[self.file] if self.file < len(self.files) else None,
+            "offset": offset, "file_lines": self.block_lines + k + 1,
+            "lines_before": self.lines_before,
+        }
+
+
+def _start_state() -> dict[str, Any]:
+    """The state before any pass: the start of whatever files it reads."""
+    shard, shards = _shard()
+    return {"reader": "JsonLinesReader", "version": STATE_VERSION, "shard": shard,
+            "shards": shards, "num_files": None, "files_digest": None, "file": 0, "path": None,
+            "offset": 0, "file_lines": 0, "lines_before": 0}
+
+
+def _digest(files: list[str]) -> str:
+    return hashlib.blake2b(b"\0".join(map(os.fsencode, files)), digest_size=16).hexdigest()
+
+
+def _checked(state: Any) -> dict[str, Any]:
+    """A copy of ``state`` when it is a JsonLinesReader state, else a ValueError."""
+    if not isinstance(state, dict) or state.get("reader") != "JsonLinesReader":
+        what = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else (
+            f"a {type(state).__name__}")
+        raise ValueError(f"not a JsonLinesReader state: {what}; pass what "
+                         "JsonLinesReader.state_dict() returned")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"JsonLinesReader state version {state.get('version')!r} is not "
+                         f"supported: this aioloader reads version {STATE_VERSION}")
+
+    def corrupt(why: str) -> ValueError:
+        return ValueError(f"corrupt JsonLinesReader state: {why}")
+
+    for key in _STATE_INTS:
+        value = state.get(key)
+        if type(value) is not int or value < 0:
+            raise corrupt(f"{key!r} is {value!r}, not an int >= 0")
+    num_files, file, path = state.get("num_files"), state["file"], state.get("path")
+    if state["shard"] >= state["shards"]:
+        raise corrupt(f"shard {state['shard']} of {state['shards']}")
+    if num_files is None:  # taken before any pass
+        if any(state[key] for key in ("file", "offset", "file_lines", "lines_before")):
+            raise corrupt("a position without the files it is in")
+    elif type(num_files) is not int or not 0 <= file <= num_files:
+        raise corrupt(f"file {file} of {num_files!r}")
+    elif not isinstance(state.get("files_digest"), str):
+        raise corrupt(f"'files_digest' is {state.get('files_digest')!r}")
+    elif not (isinstance(path, str) if file < num_files else path is None):
+        raise corrupt(f"'path' is {path!r} for file {file} of {num_files}")
+    return dict(state)
+
+
+def _check_fits(state: dict[str, Any], files: list[str], shard: int, shards: int,
+                by_file: bool) -> None:
+    """A ValueError naming what differs when ``state`` was taken in another pass than this."""
+    num_files, file = state["num_files"], state["file"]
+    if num_files is None:  # taken before any pass: the start of any files, in any shard
+        return
+    if (state["shard"], state["shards"]) != (shard, shards):
+        raise ValueError(f"JsonLinesReader state was taken for shard {state['shard']} of "
+                         f"{state['shards']}, this read is shard {shard} of {shards}")
+    if num_files != len(files):
+        raise ValueError(f"JsonLinesReader state was taken over {num_files} files, this read "
+                         f"has {len(files)}")
+    if file < len(files) and files[file] != state["path"]:
+        raise ValueError(f"JsonLinesReader state was taken in file {file} {state['path']!r}, "
+                         f"this read's file {file} is {files[file]!r}")
+    if state["files_digest"] != _digest(files):
+        raise ValueError(f"JsonLinesReader state was taken over other files than this read's "
+                         f"{len(files)} (the same number, other paths)")
+    if by_file and file < len(files) and file % shards != shard:
+        raise ValueError(f"corrupt JsonLinesReader state: file {file} is not shard {shard}'s "
+                         f"of {shards}")
 
 
 def _shard() -> tuple[int, int]:

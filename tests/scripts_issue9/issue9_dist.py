@@ -122,7 +122,12 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
 }
 
 
-def rank_main(rank: int, world: int, port: int, out_dir: str, cases: list[str]) -> None:
+def rank_main(rank: int, world: int, port: int, out_dir: str, cases: list[str],
+              registry: str = __name__) -> None:
+    """Run ``cases`` from the ``CASES`` of module ``registry`` on this rank."""
+    import importlib
+
+    table = importlib.import_module(registry).CASES
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict[str, Any] = {}
@@ -130,7 +135,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, cases: list[str]) 
     try:
         for name in cases:
             try:
-                results[name] = CASES[name](rank, world)
+                results[name] = table[name](rank, world)
             except BaseException as exc:  # noqa: BLE001 - reported to the test
                 results[name] = {"error": f"{exc!r}\n{traceback.format_exc()[-3000:]}"}
             hung = hung or bool(results[name].get("hang"))
@@ -147,8 +152,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(out: Path, cases: list[str], deadline: float, world: int = 2) -> dict[int, Any]:
-    """Run ``cases`` on ``world`` spawned gloo ranks; each rank's results, by rank.
+def run_ranks(out: Path, cases: list[str], deadline: float, world: int = 2,
+              registry: str = __name__) -> dict[int, Any]:
+    """Run ``cases`` (from module ``registry``'s ``CASES``) on ``world`` spawned gloo ranks;
+    each rank's results, by rank.
 
     A rank still alive after ``deadline`` seconds is killed; a rank that wrote nothing
     fails the caller with the exit codes.
@@ -157,7 +164,7 @@ def run_ranks(out: Path, cases: list[str], deadline: float, world: int = 2) -> d
 
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(out), cases))
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(out), cases, registry))
              for r in range(world)]
     for p in procs:
         p.start()
