@@ -82,23 +82,58 @@ class Epoch:
 
     async def _begin(self) -> Session:
         loader = self._loader
+        # An earlier epoch that handed over all its batches is over, even if nobody asked it
+        # for its end: Lightning, zip() and islice() take len(loader) batches and move on.
+        full = _delivered_all(loader)
         with loader._lock:
             current = loader._epoch() if loader._epoch is not None else None
-            if current is not None and current is not self:
+            if current is not None and current is not self and not full:
                 raise LoaderBusyError(
                     "this loader is already being iterated: finish or close that epoch "
                     "first (`await loader.aclose()`), or make a second DataLoader")
-            dropped = loader._epoch is not None  # an earlier epoch was dropped half-way
+            dropped = loader._epoch is not None  # an earlier epoch was left unfinished
             loader._epoch = weakref.ref(self)
-        if dropped and loader._box.session is not None:
-            await loader._drop_session(loader._box.session)
+            owed, loader._owed_end = loader._owed_end or (dropped and full), False
+        if current is not None and current is not self:
+            current._abandon()
+        before = loader._box.session
+        if dropped and before is not None and not full:
+            await loader._drop_session(before)  # the next epoch starts that one again
+        live = before is not None and not before.closed and loader._box.session is before
+        if owed and loader.batches_per_epoch is None and not live:
+            self._pass_done()  # its pass end went with its session
         session = await loader._session()
         session.attach(private=self._private)
+        if owed and loader.batches_per_epoch is None and session is before:
+            session = await self._finish_pass(session)
         self._session = session
         self._produced = loader._cursor.begin_epoch()
         self._backstop = backstop(self, _close_dropped, weakref.ref(loader), session)
         self._bar = _bar(loader)
         return session
+
+    async def _finish_pass(self, session: Session) -> Session:
+        """Take the pass end that an earlier, fully consumed epoch left unasked for."""
+        loader = self._loader
+        step = await session.next(loader.timeout)
+        if isinstance(step, PassDone):
+            self._pass_done()
+            return session
+        # The epoch was longer than len() said (a sampler whose len() is off): start the
+        # pass again rather than lose the batch just taken.
+        session.detach()
+        await loader._drop_session(session)
+        session = await loader._session()
+        session.attach(private=self._private)
+        return session
+
+    def _abandon(self) -> None:
+        """Left behind by a new epoch after it handed over all its batches."""
+        self._done = True
+        if self._backstop is not None:
+            drop_backstop(self._backstop)
+        if self._bar is not None:
+            self._bar.close()
 
     async def __anext__(self) -> Any:
         if self._done:
@@ -144,8 +179,17 @@ class Epoch:
         loader._cursor.pass_done()
 
     async def aclose(self) -> None:
-        """Stop a half-consumed epoch and its workers (the loader can be iterated again)."""
-        if not self._done:
+        """Stop a half-consumed epoch and its workers (the loader can be iterated again).
+
+        An epoch that handed over all its batches is simply over: its workers stay.
+        """
+        if self._done:
+            return
+        if self._session is not None and not self._session.closed and _delivered_all(
+                self._loader):
+            self._loader._owed_end = True  # the next epoch takes this one's pass end
+            await self._finish(stop=False)
+        else:
             await self._finish(stop=self._session is not None)
 
     async def _finish(self, *, stop: bool, grace: float = GRACE) -> None:
@@ -183,6 +227,8 @@ def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> Non
 
     def spawn() -> None:
         loader = loader_ref()
+        if loader is not None and loader._epoch is not None and loader._epoch() is not None:
+            return  # a newer epoch runs: the session is its business now
         closing = loader._drop_session(session) if loader is not None else session.aclose()
         task = loop.create_task(closing)
         _CLOSING.add(task)
@@ -199,6 +245,18 @@ def _bar(loader: DataLoader) -> Any:
         total = len(loader)
     return tqdm(total=total, initial=loader._cursor.in_epoch, disable=loader.quiet,
                 desc="batches", unit="batch", dynamic_ncols=True)
+
+
+def _delivered_all(loader: DataLoader) -> bool:
+    """The current epoch handed over as many batches as it has (when that is known)."""
+    in_epoch = loader._cursor.in_epoch
+    if not in_epoch:
+        return False
+    if loader.batches_per_epoch is not None:
+        return in_epoch >= loader.batches_per_epoch
+    if loader._kind is Kind.MAP or loader._cache is not None:
+        return in_epoch >= len(loader)
+    return False
 
 
 def _agree_each_batch(loader: DataLoader) -> bool:

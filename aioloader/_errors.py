@@ -30,11 +30,20 @@ def _rebuild(cls: type[WorkerError], message: str, state: dict[str, object]) -> 
 
 
 class WorkerDied(WorkerError):
-    """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory."""
+    """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory.
+
+    With ``max_worker_restarts`` spent, ``deaths`` lists every death of the loader's workers
+    (this one last) and the message names the earlier ones.
+    """
+
+    @property
+    def deaths(self) -> list[WorkerDied]:
+        return [*self.earlier, self]
 
     def __init__(self, worker_id: int, pid: int | None, exitcode: int | None,
-                 context: str = "") -> None:
+                 context: str = "", *, earlier: list[WorkerDied] | None = None) -> None:
         self.exitcode = exitcode
+        self.earlier = earlier if earlier is not None else []  # deaths that were healed
         super().__init__(
             f"worker {worker_id} (pid {pid}) died unexpectedly: {describe_exit(exitcode)}"
             + (f"; {context}" if context else ""),

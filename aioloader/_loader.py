@@ -24,7 +24,7 @@ from ._session import PassDone, Producer, Session
 from ._setup import Setup
 from ._sources import Kind, classify
 from ._state import Cursor, ResumePoint, make_state, read_state
-from ._supervisor import GRACE
+from ._supervisor import GRACE, RestartBudget
 from ._sync import Portal, SyncLoader, running_loop
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -86,11 +86,13 @@ class DataLoader:
         prefetch: int = 4,
         even_batches: bool = True,
         zero_copy: bool = True,
+        max_worker_restarts: int = 0,
     ) -> None:
         _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
                   batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
                   num_workers=num_workers, max_instances_in_memory=max_instances_in_memory,
-                  start_method=start_method, timeout=timeout, prefetch=prefetch)
+                  start_method=start_method, timeout=timeout, prefetch=prefetch,
+                  max_worker_restarts=max_worker_restarts)
         self._kind = classify(reader)
         if self._kind is not Kind.MAP and batch_sampler is not None and not isinstance(
                 batch_sampler, BatchSampler):
@@ -115,6 +117,8 @@ class DataLoader:
         self.prefetch = prefetch
         self.even_batches = even_batches
         self.zero_copy = zero_copy
+        self.max_worker_restarts = max_worker_restarts
+        self._budget = RestartBudget(max_worker_restarts)  # across sessions: per loader
         self._device = as_device(cuda_device)
         self._topo = topology(even_batches)
         if seed is None:
@@ -131,6 +135,7 @@ class DataLoader:
         self._lock = threading.Lock()
         self._epoch: weakref.ref[Epoch] | None = None  # the epoch in progress, if any
         self._cursor = Cursor()  # where the consumer stands (state_dict)
+        self._owed_end = False  # an epoch took all its batches but not its pass end
         self._resume: ResumePoint | None = None  # where the next session starts
         self._box = _Box()
         backstop(self, self._box.kill)
@@ -147,7 +152,7 @@ class DataLoader:
             options=self._options, collate_fn=self.collate_fn, num_workers=self.num_workers,
             start_method=self.start_method, prefetch=self.prefetch, zero_copy=self.zero_copy,
             seed=seed, rank=self._topo.rank, world_size=self._topo.world_size,
-            timed=self.timeout is not None)
+            timed=self.timeout is not None, budget=self._budget)
 
     # ------------------------------------------------------------------ public
 
@@ -179,6 +184,12 @@ class DataLoader:
             self._next_pass = epoch
             self._resume = None  # a resumed position belongs to its own epoch
             self._cursor = Cursor(pass_no=epoch)
+
+    @property
+    def sampler(self) -> EpochSetter:
+        """The loader's own sampling, as torch integrations see it: ``sampler.set_epoch(e)``,
+        which PyTorch Lightning calls before each epoch, is :meth:`set_epoch`."""
+        return EpochSetter(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands, as a small JSON-able dict, for a checkpoint.
@@ -444,6 +455,23 @@ class DataLoader:
             await session.aclose()
 
 
+class EpochSetter:
+    """``loader.sampler``: only ``set_epoch(epoch)``, passed on to the loader.
+
+    Lightning (and other loops written for torch's DataLoader) call
+    ``dataloader.sampler.set_epoch(epoch)`` before each epoch; this keeps the loader's epoch
+    in step with theirs, which matters when they resume from a checkpoint.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = weakref.ref(loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader.set_epoch(epoch)
+
+
 def _stream_seeds(spec: PlanSpec) -> Callable[[int], int]:
     """A stream's seed per pass in this process: worker 0's, so that one shard gives the
     same batches in or out of a worker. Not a method: a producer holding the loader would
@@ -454,7 +482,7 @@ def _stream_seeds(spec: PlanSpec) -> Callable[[int], int]:
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,
               batches_per_epoch: int | None, num_workers: int,
               max_instances_in_memory: int | None, start_method: str, timeout: float | None,
-              prefetch: int) -> None:
+              prefetch: int, max_worker_restarts: int) -> None:
     """The constructor's rules (AllenNLP's MultiProcessDataLoader's, plus a few)."""
     if num_workers is None or num_workers < 0:
         raise ValueError(f"num_workers cannot be negative, got {num_workers}")
@@ -484,3 +512,7 @@ def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_s
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+    if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int) or (
+            max_worker_restarts < 0):
+        raise ValueError("max_worker_restarts must be an int >= 0 (0: a dead worker ends the "
+                         f"epoch), got {max_worker_restarts!r}")

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import ResumeError
-from ._position import ShardTracker, StreamPosition
+from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ._session import PassDone, Step
-from ._supervisor import Delivered, Ended, Supervisor
+from ._sources import shard_spec
+from ._supervisor import Delivered, Ended, Supervisor, WorkerLost
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking: a thread)
 INSTANCE_CHUNK = 64
@@ -149,8 +150,12 @@ class WorkerStream(_OnWorkers):
                 return done
             w = self._next_worker()
             self._waiting = w
-            got = await self.sup.receive(w)
-            self._waiting = None
+            try:
+                got = await self.sup.receive(w)
+            except WorkerLost:  # a new process goes on from the last batch taken
+                await self.sup.restart(w, self._shards[w].position)
+                continue
+            self._waiting = None  # (kept on a timeout: behind() names it)
             if isinstance(got, Ended):
                 self._pending.discard(w)
                 self._shards[w].ended()
@@ -169,6 +174,7 @@ class WorkerStream(_OnWorkers):
 class _InFlight:
     seq: int
     worker: int
+    indices: list[int]
 
 
 class WorkerIndex(_OnWorkers):
@@ -198,7 +204,7 @@ class WorkerIndex(_OnWorkers):
                 continue
             w = self._seq % self.n
             self.sup.request(w, self._seq, step)
-            self._queue.append(_InFlight(self._seq, w))
+            self._queue.append(_InFlight(self._seq, w, step))
             self._seq += 1
 
     async def next(self) -> Step:
@@ -208,7 +214,15 @@ class WorkerIndex(_OnWorkers):
         if isinstance(head, PassDone):
             self._queue.popleft()
             return head
-        got = await self.sup.receive(head.worker)
+        while True:
+            try:
+                got = await self.sup.receive(head.worker)
+                break
+            except WorkerLost:  # its batches not yet taken are asked of a new process
+                await self.sup.restart(head.worker)
+                for item in self._queue:
+                    if isinstance(item, _InFlight) and item.worker == head.worker:
+                        self.sup.request(item.worker, item.seq, item.indices)
         self._queue.popleft()
         if not isinstance(got, Delivered) or got.seq != head.seq:
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
@@ -233,8 +247,18 @@ class WorkerInstances(_OnWorkers):
         self._bufs: list[collections.deque[Any]] = [collections.deque()
                                                     for _ in range(sup.num_workers)]
         self._live = list(range(sup.num_workers))
+        self._taken = [0] * sup.num_workers  # instances received from each worker
         self._k = 0
         self._waiting: int | None = None
+
+    def _position(self, w: int) -> ShardPosition:
+        """Where worker ``w``'s shard stands after the instances received from it."""
+        spec = self.sup.spec
+        index, count = shard_spec(spec.source, spec.kind, w, spec.num_workers, spec.rank,
+                                  spec.world_size)
+        taken = self._taken[w]
+        raw = index + (taken - 1) * count + 1 if taken else 0
+        return ShardPosition(spec.first_pass, BlockStart(0, raw, None))
 
     async def next(self) -> Step:
         out: list[Any] = []
@@ -247,12 +271,17 @@ class WorkerInstances(_OnWorkers):
             if out:
                 break  # hand over what is here before waiting
             self._waiting = w
-            got = await self.sup.receive(w, lease=False)  # a cache keeps these: copies
+            try:
+                got = await self.sup.receive(w, lease=False)  # a cache keeps these: copies
+            except WorkerLost:  # a new process reads on after the instances taken
+                await self.sup.restart(w, self._position(w))
+                continue
             self._waiting = None
             if isinstance(got, Ended):
                 self._live.remove(w)
             else:
                 self._bufs[w].extend(got.value)
+                self._taken[w] += len(got.value)
         if out:
             return Delivered(out)
         return PassDone(False)

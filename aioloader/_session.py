@@ -88,7 +88,10 @@ class Session:
 
     def attach(self, private: bool = False) -> None:
         """Serve the running loop's epoch; ``private``: the loop is the sync adapter's."""
-        self.loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if self.loop is not None and self.loop is not loop:
+            self.detach()  # an epoch left on another loop without closing (it was complete)
+        self.loop = loop
         self.producer.attach(private)
 
     def detach(self) -> None:

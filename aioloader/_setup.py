@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._local import LocalIndex, LocalInstances, LocalStream
@@ -13,7 +13,7 @@ from ._position import ShardPosition, StreamPosition
 from ._producers import Plan, WorkerIndex, WorkerInstances, WorkerStream
 from ._session import Producer
 from ._sources import Kind
-from ._supervisor import Supervisor
+from ._supervisor import RestartBudget, Supervisor
 from ._worker import Plan as Role
 from ._worker import WorkerSpec
 
@@ -39,6 +39,7 @@ class Setup:
     rank: int
     world_size: int
     timed: bool  # a timeout is set: progress is reported, nothing runs inline
+    budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
@@ -49,7 +50,8 @@ class Setup:
             seed=self.seed, first_pass=first_pass, slots=self.prefetch,
             parent_pid=os.getpid() if self.start_method != "forkserver" else 0,
             progress=self.timed, starts=starts)
-        return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy)
+        return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
+                          budget=self.budget)
 
     @property
     def shards(self) -> int:

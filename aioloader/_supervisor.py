@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import multiprocessing.process
 import os
 import pickle
@@ -33,7 +34,14 @@ import torch.multiprocessing
 
 from . import _wire as wire
 from ._dataplane import SlotLedger
-from ._errors import LoaderClosedError, SourcePicklingError, WorkerDied, WorkerError
+from ._errors import (
+    LoaderClosedError,
+    SourcePicklingError,
+    WorkerDied,
+    WorkerError,
+    describe_exit,
+)
+from ._position import ShardPosition
 from ._worker import WorkerSpec, worker_main
 
 # Processes are started from one long-lived thread: starting can block (spawn writes the
@@ -58,6 +66,37 @@ def _close_parent_socks_in_child() -> None:
 os.register_at_fork(after_in_child=_close_parent_socks_in_child)
 
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
+
+log = logging.getLogger("aioloader")
+
+
+class WorkerLost(Exception):
+    """Worker ``worker_id`` died and may be restarted: its producer restarts it from the
+    position of the last batch the consumer took (never seen by users)."""
+
+    def __init__(self, worker_id: int) -> None:
+        super().__init__(f"worker {worker_id} died")
+        self.worker_id = worker_id
+
+
+@dataclass
+class RestartBudget:
+    """A loader's ``max_worker_restarts``, across its sessions, and the deaths so far."""
+
+    limit: int = 0
+    deaths: list[WorkerDied] = field(default_factory=list)
+
+    def spend(self, died: WorkerDied) -> WorkerDied | None:
+        """Count ``died``: None when it may be healed, else the error that ends the run."""
+        self.deaths.append(died)
+        if len(self.deaths) <= self.limit:
+            return None
+        if self.limit == 0:
+            return died
+        earlier = "; ".join(str(d) for d in self.deaths[:-1])
+        return WorkerDied(died.worker_id or 0, died.pid, died.exitcode,
+                          f"max_worker_restarts={self.limit} were spent on earlier deaths: "
+                          f"{earlier}", earlier=self.deaths[:-1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +133,7 @@ class WorkerState:
     fds: collections.deque[int] = field(default_factory=collections.deque)
     outbox: bytearray = field(default_factory=bytearray)
     starting: concurrent.futures.Future[None] | None = None
+    lost: WorkerDied | None = None  # died, and may be restarted
     eof: bool = False
     exited: bool = False
     started: bool = False
@@ -108,11 +148,12 @@ class Supervisor:
     """Starts ``num_workers`` processes for ``spec`` and moves messages to and from them."""
 
     def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
-                 lease: bool = True) -> None:
+                 lease: bool = True, budget: RestartBudget | None = None) -> None:
         self.spec = spec
         self.num_workers = num_workers
         self.start_method = start_method
         self.lease = lease
+        self.budget = budget if budget is not None else RestartBudget()
         self.workers: list[WorkerState] = []
         self.failure: BaseException | None = None
         self.closed = False
@@ -149,20 +190,8 @@ class Supervisor:
         reaping (which waits for pending starts) always sees every process.
         """
         self.check_picklable()
-        ctx: Any = torch.multiprocessing.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            # The server imports torch and aioloader once; each worker forks from it warm.
-            ctx.set_forkserver_preload(["aioloader._worker"])
         for k in range(self.num_workers):
-            parent, child = socket.socketpair()
-            _PARENT_SOCKS.add(parent)
-            parent.setblocking(False)
-            proc = ctx.Process(target=worker_main, args=(self.spec.for_worker(k), child),
-                               daemon=True, name=f"aioloader-worker-{k}")
-            w = WorkerState(k, proc, parent, SlotLedger(
-                self.spec.slots, functools.partial(self._release, k), lease=self.lease))
-            self.workers.append(w)
-            w.starting = _STARTER.submit(_start_process, w, child)
+            self.workers.append(self._spawn(self.spec.for_worker(k)))
         try:
             for w in self.workers:
                 assert w.starting is not None
@@ -173,28 +202,92 @@ class Supervisor:
             await self.aclose(0.0)
             raise
 
+    def _spawn(self, spec: WorkerSpec) -> WorkerState:
+        """A worker registered and submitted for starting (see :meth:`start`)."""
+        ctx: Any = torch.multiprocessing.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            # The server imports torch and aioloader once; each worker forks from it warm.
+            ctx.set_forkserver_preload(["aioloader._worker"])
+        k = spec.worker_id
+        parent, child = socket.socketpair()
+        _PARENT_SOCKS.add(parent)
+        parent.setblocking(False)
+        proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
+                           name=f"aioloader-worker-{k}")
+        w = WorkerState(k, proc, parent, SlotLedger(
+            self.spec.slots, functools.partial(self._release, k), lease=self.lease))
+        w.starting = _STARTER.submit(_start_process, w, child)
+        return w
+
+    async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None:
+        """Replace worker ``worker_id``, which died (:class:`WorkerLost`), by a new process
+        with the same shard and seeds; a stream's starts at ``start``."""
+        old = self.workers[worker_id]
+        died = old.lost
+        assert died is not None, f"worker {worker_id} is not lost"
+        if self._loop is not None:
+            self._unwatch(old)
+        _PARENT_SOCKS.discard(old.sock)
+        old.sock.close()
+        while old.fds:
+            os.close(old.fds.popleft())
+        old.ledger.close()  # leased batches keep their mapping until they go
+        spec = self.spec.for_worker(worker_id)
+        if start is not None:
+            spec = spec.starting_at(start, self.num_workers)
+        new = self._spawn(spec)
+        self.workers[worker_id] = new
+        if old.started and not old.reaped:
+            old.process.join()
+            old.process.close()
+            old.reaped = True
+        count = len(self.budget.deaths)
+        log.warning("worker %d (pid %s) died: %s; restarting it (restart %d of "
+                    "max_worker_restarts=%d)%s", worker_id, died.pid,
+                    describe_exit(died.exitcode), count, self.budget.limit,
+                    f", from pass {start.pass_no} block {start.start.block}"
+                    if start is not None else "")
+        assert new.starting is not None
+        await asyncio.shield(asyncio.wrap_future(new.starting))
+        if self.closed:
+            return  # closed meanwhile: reaping covers it
+        if self._loop is not None:
+            self._watch(new)
+
     # ------------------------------------------------------------------ watch
 
     def attach(self) -> None:
         """Watch every worker's socket and sentinel on the running loop."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
+        self._loop = asyncio.get_running_loop()
         for w in self.workers:
-            if not w.eof:
-                loop.add_reader(w.sock.fileno(), self._on_readable, w)
-            if not w.exited:
-                loop.add_reader(w.process.sentinel, self._on_exit, w)
-            if w.outbox:
-                loop.add_writer(w.sock.fileno(), self._on_writable, w)
+            self._watch(w)
+
+    def _watch(self, w: WorkerState) -> None:
+        loop = self._loop
+        assert loop is not None
+        if not w.eof:
+            loop.add_reader(w.sock.fileno(), self._on_readable, w)
+        if not w.exited:
+            loop.add_reader(w.process.sentinel, self._on_exit, w)
+        if w.outbox:
+            loop.add_writer(w.sock.fileno(), self._on_writable, w)
 
     def detach(self) -> None:
-        loop, self._loop = self._loop, None
+        loop = self._loop
         if loop is None or loop.is_closed():
+            self._loop = None
             return
         for w in self.workers:
-            if w.sock.fileno() >= 0:
-                loop.remove_reader(w.sock.fileno())
-                loop.remove_writer(w.sock.fileno())
+            self._unwatch(w)
+        self._loop = None
+
+    def _unwatch(self, w: WorkerState) -> None:
+        loop = self._loop
+        assert loop is not None
+        if w.sock.fileno() >= 0:
+            loop.remove_reader(w.sock.fileno())
+            loop.remove_writer(w.sock.fileno())
+        if not w.reaped:
             loop.remove_reader(w.process.sentinel)
 
     def _wake(self) -> None:
@@ -264,7 +357,12 @@ class Supervisor:
                     w.process.join(GRACE)
                 finally:
                     self._reaping.release()
-                self._fail(WorkerDied(w.id, w.pid, w.process.exitcode))
+                died = WorkerDied(w.id, w.pid, w.process.exitcode)
+                fatal = self.budget.spend(died)
+                if fatal is not None:
+                    self._fail(fatal)
+                else:
+                    w.lost = died
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, see _on_readable
             self._fail(WorkerDied(w.id, w.pid, w.process.exitcode))
             self._fail_cause(exc)
@@ -288,6 +386,8 @@ class Supervisor:
                     return Ended(msg.pass_no)
                 value = await w.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
                 return Delivered(value, msg.seq, msg.mark)
+            if w.lost is not None:  # what it sent before dying was taken first
+                raise WorkerLost(worker_id)
             assert self._loop is not None, "receive() outside an attached epoch"
             w.ledger.reclaim()
             self._waiter = self._loop.create_future()

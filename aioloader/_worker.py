@@ -34,9 +34,9 @@ from ._collate import use_allocator
 from ._dataplane import SlotPool
 from ._info import WorkerInfo, set_worker_info
 from ._pipeline import BatchOptions, ShardPass, async_batches, collate_with
-from ._position import PASS_START, Mark, Shard, ShardPosition
+from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
 from ._samplers import derive_seed
-from ._sources import Kind, as_async, fetch, is_async, open_shard
+from ._sources import Kind, as_async, fetch, is_async
 
 Plan = Literal["stream", "instances", "index"]
 INSTANCE_CHUNK = 64  # instances per message when instances themselves are sent
@@ -67,6 +67,12 @@ class WorkerSpec:
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
+
+    def starting_at(self, start: ShardPosition, num_workers: int) -> WorkerSpec:
+        """This worker's spec, its stream starting at ``start`` (a restart)."""
+        starts = list(self.starts or [ShardPosition(self.first_pass)] * num_workers)
+        starts[self.worker_id] = start
+        return replace(self, starts=tuple(starts))
 
     def start(self) -> ShardPosition:
         """Where this worker's stream starts (a resumed loader's position, issue 10)."""
@@ -338,7 +344,7 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
         _seed_everything(seed)
         sent = 0
         if spec.plan == "instances":
-            sent = await _send_instances(spec, chan)
+            sent = await _send_instances(spec, chan, start.start if start else PASS_START)
         else:
             shard = Shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
                           spec.num_workers, spec.rank, spec.world_size,
@@ -360,12 +366,12 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
         pass_no += 1
 
 
-async def _send_instances(spec: WorkerSpec, chan: _Channel) -> int:
+async def _send_instances(spec: WorkerSpec, chan: _Channel, start: BlockStart) -> int:
     chunk: list[Any] = []
     sent = 0
-    stream = open_shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
-                        spec.num_workers, spec.rank, spec.world_size)
-    async for inst in _instances(spec, chan, stream):
+    shard = Shard(spec.source, spec.kind, spec.data_path, spec.worker_id, spec.num_workers,
+                  spec.rank, spec.world_size, start)
+    async for inst in _instances(spec, chan, shard.stream):
         chunk.append(inst)
         if len(chunk) >= INSTANCE_CHUNK:
             if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]

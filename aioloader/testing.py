@@ -231,6 +231,20 @@ def descendants(root: int | None = None) -> list[int]:
     return [p for p in out if is_alive(p)]
 
 
+def members(*, group: int | None = None, session: int | None = None) -> list[int]:
+    """Live (not zombie) processes of process group ``group`` or of session ``session``."""
+    field, value = (2, group) if group is not None else (3, session)
+    if value is None:
+        raise TypeError("members() needs group= or session=")
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None and st[0] not in ("Z", "X", "x") and int(st[field]) == value:
+                out.append(int(name))
+    return out
+
+
 def is_alive(pid: int) -> bool:
     """Running or sleeping; a zombie counts as dead."""
     st = _stat(pid)

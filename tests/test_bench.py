@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,25 +17,10 @@ from aioloader.__main__ import main as cli_main
 from aioloader.bench._measure import percentile
 from aioloader.bench._report import THROUGHPUT_METRICS
 from aioloader.bench._workloads import TextDataset, torch_pad_collate
+from aioloader.testing import members
 
 HARD_TIMEOUT = 300.0
 METRIC_LABELS = [label for _, label in THROUGHPUT_METRICS]
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``."""
-    members = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            members.append(int(name))
-    return members
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -52,7 +36,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         raise
     finally:
         deadline = time.monotonic() + 10
-        while (left := _session_members(proc.pid)) and time.monotonic() < deadline:
+        while (left := members(session=proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in left:
             os.kill(pid, signal.SIGKILL)

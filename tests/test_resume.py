@@ -422,3 +422,26 @@ def test_each_rank_resumes_its_own_shard_exactly(tmp_path: Any) -> None:
         if name != "stream_batches_per_epoch":  # the ranks share the data between them
             seen = [i for got in per_rank for e, b in got["whole"] if e == 0 for i in b]
             assert set(seen) == set(range(37 if name == "map_style" else 41)), name
+
+
+# ------------------------------------------------------------------ len()-driven consumers
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_taking_len_batches_then_iterating_again_starts_the_next_epoch(num_workers: int) -> None:
+    """Lightning, zip() and islice() take len(loader) batches and never ask for the end:
+    that epoch is over all the same (it used to be replayed, shuffle and all)."""
+    def make() -> aioloader.DataLoader:
+        return aioloader.DataLoader(Items(30), batch_size=4, shuffle=True, seed=3,
+                                    num_workers=num_workers, quiet=True)
+
+    reference = make()
+    whole = [[ids(b) for b in reference] for _ in range(3)]
+    reference.close()
+    loader = make()
+    n = len(loader)
+    kept = iter(loader)  # still referenced when the next epoch starts
+    epochs = [[ids(next(kept)) for _ in range(n)]]
+    epochs += [[ids(b) for b, _ in zip(loader, range(n), strict=False)] for _ in range(2)]
+    assert epochs == whole
+    loader.close()

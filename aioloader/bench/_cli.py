@@ -9,22 +9,36 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import _resume
 from ._measure import Result, Spec
-from ._report import Row, machine_lines, summarise, table, target_lines, targets
+from ._report import Row, Target, machine_lines, summarise, table, target_lines, targets
+from ._resume import RESUME, ResumePlan
 from ._runner import MeasurementError, Plan, default_batches, isolated, run_workload
 from ._workloads import ALL
 
 DEFAULT_WORKLOADS = ALL
+CHOICES = (*ALL, RESUME)  # resume measures something else: only when asked for
 
 
 def _workloads(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in ALL]
+    unknown = [n for n in names if n not in CHOICES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown workload {', '.join(map(repr, unknown)) or repr(text)}; "
-            f"choose from {', '.join(ALL)}")
+            f"choose from {', '.join(CHOICES)}")
     return names
+
+
+def _percents(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v.strip().rstrip("%")) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected percentages like 0,10,50,90, got {text!r}"
+                                         ) from None
+    if not values or any(not 0 <= v < 100 for v in values):
+        raise argparse.ArgumentTypeError(f"each position must be in [0, 100), got {text!r}")
+    return tuple(v / 100 for v in values)
 
 
 def _at_least(minimum: int) -> Any:
@@ -43,13 +57,16 @@ def _at_least(minimum: int) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``aioloader bench``."""
     parser.add_argument("--workloads", type=_workloads, default=DEFAULT_WORKLOADS,
-                        help=f"comma-separated, from {','.join(ALL)} (default: all)")
+                        help=f"comma-separated, from {','.join(CHOICES)} (default: "
+                        f"{','.join(ALL)}); {RESUME!r} times load_state_dict() to the first "
+                        "batch against torchdata's StatefulDataLoader (--resume-* options)")
     parser.add_argument("--num-workers", type=_at_least(0), default=2,
                         help="worker processes on both sides (default 2; 0 = in-process)")
     parser.add_argument("--start-method", choices=("fork", "spawn", "forkserver"),
                         default="fork", help="how both sides start workers (default fork)")
     parser.add_argument("--pairs", type=_at_least(1), default=None,
-                        help="alternating aioloader/torch runs per workload (default 3)")
+                        help="alternating aioloader/torch runs per workload, and rounds of "
+                        "the resume workload (default 3)")
     parser.add_argument("--batches", type=_at_least(3), default=None,
                         help="batches per epoch for every workload (default: per workload)")
     parser.add_argument("--face", choices=("async", "sync"), default="async",
@@ -61,6 +78,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing")
+    resume = parser.add_argument_group(
+        "the resume workload",
+        "A shuffled map-style epoch of cheap samples is resumed at each position by aioloader "
+        "and by torchdata's StatefulDataLoader (left out with a note when torchdata is not "
+        "installed), each measurement in a fresh process: seconds from load_state_dict() to "
+        "the first batch, and the __getitem__ calls made by then. States are taken after one "
+        "batch and their position fields set to the target ('edit', checked against a "
+        "consumed state first), or consumed to the position ('consume'). Both sides are "
+        "consumed with `for`; --num-workers, --start-method, --pairs (rounds) and --timeout "
+        "apply.")
+    resume.add_argument("--resume-items", type=_at_least(2), default=None,
+                        help=f"items in the epoch (default {_resume.DEFAULT_ITEMS:,}; "
+                        f"--quick: {_resume.QUICK_ITEMS:,})")
+    resume.add_argument("--resume-positions", type=_percents,
+                        default=_resume.DEFAULT_POSITIONS, metavar="PERCENTS",
+                        help="where to resume, in %% of the epoch (default 0,10,50,90)")
+    resume.add_argument("--resume-batch-size", type=_at_least(1),
+                        default=_resume.DEFAULT_BATCH_SIZE,
+                        help=f"(default {_resume.DEFAULT_BATCH_SIZE})")
+    resume.add_argument("--resume-state", choices=("edit", "consume"), default="edit",
+                        help="how the state to load is made (default edit)")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -77,10 +115,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plan = Plan(num_workers=args.num_workers, start_method=args.start_method, pairs=pairs,
                 batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout))
     started = time.monotonic()
+    per_epoch = ", ".join(f"{w}={batches[w]}" for w in args.workloads if w != RESUME)
     header = (f"aioloader bench: num_workers={plan.num_workers}, "
               f"start_method={plan.start_method}, face={plan.face}, loop={plan.loop}, "
-              f"pairs={plan.pairs}, batches/epoch: "
-              + ", ".join(f"{w}={batches[w]}" for w in args.workloads))
+              f"pairs={plan.pairs}" + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
         machine = isolated(Spec(kind="refs", loop=plan.loop), plan.timeout)
     except MeasurementError as exc:
@@ -91,7 +129,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     failed = False
     rows: list[Row] = []
     raw: dict[str, Any] = {}
-    for workload in args.workloads:
+    throughput = [w for w in args.workloads if w != RESUME]
+    for workload in throughput:
         t0 = time.monotonic()
         try:
             runs = run_workload(plan, workload)
@@ -106,14 +145,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _warn_leftovers(workload, runs)
         print(f"  ({workload}: {time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
 
-    print()
-    print(table(rows))
-    found = targets(rows, machine, plan.start_method)
-    print()
-    print("targets (issue 5; medians over pairs):")
-    print(target_lines(found))
+    found: list[Target] = []
+    if throughput:
+        print()
+        print(table(rows))
+        found = targets(rows, machine, plan.start_method)
+        print()
+        print("targets (issue 5; medians over pairs):")
+        print(target_lines(found))
+    if RESUME in args.workloads:
+        raw[RESUME], resume_failed = _run_resume(args, pairs)
+        failed |= resume_failed
     elapsed = time.monotonic() - started
-    print(f"\n{len(rows)} rows in {elapsed:.1f} s")
+    print(f"\n{len(rows)} rows in {elapsed:.1f} s" if throughput else f"\ndone in {elapsed:.1f} s")
     if args.json is not None:
         document = {
             "config": {"num_workers": plan.num_workers, "start_method": plan.start_method,
@@ -128,6 +172,44 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             json.dump(document, f, indent=1, allow_nan=False, default=_nan_to_none)
             f.write("\n")
     return 1 if failed else 0
+
+
+def _run_resume(args: argparse.Namespace, pairs: int) -> tuple[dict[str, Any], bool]:
+    """The resume workload: its table printed; its JSON section and whether it failed."""
+    items = args.resume_items or (_resume.QUICK_ITEMS if args.quick else _resume.DEFAULT_ITEMS)
+    plan = ResumePlan(items=items, batch_size=args.resume_batch_size,
+                      num_workers=args.num_workers, start_method=args.start_method,
+                      positions=args.resume_positions, repeats=pairs,
+                      timeout=float(args.timeout), state_from=args.resume_state)
+    sides = list(_resume.SIDES)
+    missing = _resume.torchdata_missing()
+    if missing is not None:
+        print(f"\nnote: {missing}", flush=True)
+        sides.remove("torchdata")
+    t0 = time.monotonic()
+    config = {"items": plan.items, "batch_size": plan.batch_size,
+              "positions": list(plan.positions), "batches": plan.targets(),
+              "state_from": plan.state_from, "repeats": plan.repeats, "sides": sides}
+    try:
+        raw = _resume.run_resume(plan, sides, note=lambda line: print(
+            f"  ({line})", file=sys.stderr, flush=True))
+    except MeasurementError as exc:
+        print(f"aioloader bench: {RESUME}: {exc}", file=sys.stderr)
+        return {"config": config, "error": str(exc)}, True
+    rows = _resume.summary_rows(plan, raw)
+    print()
+    print(_resume.table(plan, rows))
+    for side, check in raw["checks"].items():
+        verdict = "as from" if check["ok"] else "ELSEWHERE than from"
+        print(f"check: {side} resumed from an edited state at batch {_resume.CHECK_AT} "
+              f"{verdict} a consumed one")
+    edited = sorted({how for how in raw["made_by"].values()})
+    print(f"states made by: {', '.join(edited)}")
+    for side, results in raw["runs"].items():
+        _warn_leftovers(f"{RESUME}/{side}", {side: [r for rs in results.values() for r in rs]})
+    print(f"  ({RESUME}: {time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+    bad_check = not all(c["ok"] for c in raw["checks"].values())
+    return {"config": config, **raw, "summary": rows}, bad_check
 
 
 def _nan_to_none(value: object) -> object:
@@ -153,4 +235,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 DESCRIPTION = (
     "Run aioloader and torch.utils.data.DataLoader on the same workloads (same num_workers, "
     "same start method, alternating runs, each in a fresh process) and print a side-by-side "
-    "table and issue 5's targets.")
+    "table and issue 5's targets. The 'resume' workload (--workloads resume) compares "
+    "resuming an epoch mid-way with torchdata's StatefulDataLoader instead.")

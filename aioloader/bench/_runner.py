@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..testing import members
 from ._measure import Face, LoopName, Result, Spec, measure
 from ._workloads import LAG, WORKLOADS
 
@@ -39,18 +40,25 @@ class Plan:
 
 
 def isolated(spec: Spec, timeout: float) -> Result:
-    """``measure(spec)`` in a forked child of this process, in its own process group.
+    """``measure(spec)`` in a forked child of this process, in its own process group."""
+    return isolated_call(measure, (spec,), timeout, _describe(spec))
+
+
+def isolated_call(fn: Callable[..., Result], args: tuple[Any, ...], timeout: float,
+                  what: str) -> Result:
+    """``fn(*args)`` in a forked child of this process, in its own process group.
 
     Forking rather than starting a fresh interpreter spares each run the import of torch
     (seconds on a small machine); the child still has its own peak RSS, CPU clock and
     children. Whatever it leaves behind in its group is killed before this returns.
+    ``what`` names the run in errors.
     """
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        _child(spec, read_fd, write_fd)
+        _child(fn, args, read_fd, write_fd)
     os.close(write_fd)
     with contextlib.suppress(OSError):
         os.setpgid(pid, pid)  # also done by the child: whichever runs first wins the race
@@ -60,7 +68,7 @@ def isolated(spec: Spec, timeout: float) -> Result:
     except TimeoutError:
         _kill_group(pid)
         os.waitpid(pid, 0)
-        raise MeasurementError(f"{_describe(spec)} ran past {timeout:.0f} s; killed") from None
+        raise MeasurementError(f"{what} ran past {timeout:.0f} s; killed") from None
     except BaseException:  # KeyboardInterrupt included: the child and its workers go too
         _kill_group(pid)
         with contextlib.suppress(ChildProcessError):
@@ -70,25 +78,25 @@ def isolated(spec: Spec, timeout: float) -> Result:
         os.close(read_fd)
     leftovers = _reap_group(pid)
     if not data:
-        raise MeasurementError(f"{_describe(spec)} died without a result "
-                               f"({_exit_reason(status)})")
+        raise MeasurementError(f"{what} died without a result ({_exit_reason(status)})")
     payload: dict[str, Any] = json.loads(data)
     if "error" in payload:
-        raise MeasurementError(f"{_describe(spec)} raised:\n{payload['error']}")
+        raise MeasurementError(f"{what} raised:\n{payload['error']}")
     result: Result = payload["result"]
     if leftovers:
         result["leftover_pids"] = leftovers
     return result
 
 
-def _child(spec: Spec, read_fd: int, write_fd: int) -> None:  # pragma: no cover - the child
+def _child(fn: Callable[..., Result], args: tuple[Any, ...], read_fd: int,
+           write_fd: int) -> None:  # pragma: no cover - the child
     code = 0
     try:
         os.close(read_fd)
         os.setpgid(0, 0)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
-            payload: dict[str, Any] = {"result": measure(spec)}
+            payload: dict[str, Any] = {"result": fn(*args)}
         except BaseException:  # noqa: BLE001 - the parent reports it
             payload = {"error": traceback.format_exc()}
         data = json.dumps(payload).encode()
@@ -114,39 +122,18 @@ def _read_until_eof(fd: int, deadline: float) -> bytes:
             chunks.append(chunk)
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``, from /proc."""
-    members: list[int] = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return members
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(name))
-    return members
-
-
 def _reap_group(pgid: int, grace: float = 5.0) -> list[int]:
     """Give what the child left in its group ``grace`` seconds to exit, then kill it.
 
     Returns the pids that were still there at the first look (a loader that did not clean
     up after itself).
     """
-    first = _group_members(pgid)
+    first = members(group=pgid)
     deadline = time.monotonic() + grace
     left = first
     while left and time.monotonic() < deadline:
         time.sleep(0.05)  # workers we did not start and cannot wait on: look again shortly
-        left = _group_members(pgid)
+        left = members(group=pgid)
     if left:
         _kill_group(pgid)
     return first

@@ -1,0 +1,83 @@
+"""Self-healing workers (issue 12): a SIGKILLed worker is replaced, its undelivered work is
+redone exactly once, in order; past max_worker_restarts the last death is raised.
+
+Each case runs tests/heal_victim.py in a subprocess with a hard deadline: it kills its own
+workers from the consumer's loop, after a given batch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VICTIM = Path(__file__).parent / "heal_victim.py"
+
+
+def victim(kind: str, start_method: str, restarts: int, *kills: int) -> tuple[Any, str]:
+    proc = subprocess.run(
+        [sys.executable, str(VICTIM), kind, start_method, str(restarts), *map(str, kills)],
+        capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.deadline(200)
+@pytest.mark.parametrize(("kind", "start_method", "kill_after"), [
+    ("map", "fork", 5),
+    ("lazy", "fork", 5),
+    ("cached", "fork", 7),
+    ("map", "spawn", 4),
+    ("lazy", "spawn", 3),
+    ("map", "fork", 0),  # during the first batch
+    ("lazy", "fork", 0),
+    ("cached", "fork", 0),
+])
+def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_repeated(
+        kind: str, start_method: str, kill_after: int) -> None:
+    result, stderr = victim(kind, start_method, 1, kill_after)
+    assert result["error"] is None, result["error"]
+    assert result["seen"] == result["reference"]  # every batch once, in order
+    assert result["pids"] >= 3 or kill_after == 0  # the replacement built batches too
+    assert "restarting it (restart 1 of max_worker_restarts=1)" in stderr
+    assert stderr.count("restarting it") == 1
+
+
+@pytest.mark.deadline(200)
+@pytest.mark.parametrize("kind", ["map", "lazy"])
+def test_two_deaths_heal_with_a_budget_of_two(kind: str) -> None:
+    result, stderr = victim(kind, "fork", 2, 3, 9)
+    assert result["error"] is None, result["error"]
+    assert result["seen"] == result["reference"]
+    assert stderr.count("restarting it") == 2
+
+
+@pytest.mark.deadline(200)
+def test_a_death_past_the_budget_raises_worker_died_naming_every_death() -> None:
+    result, _ = victim("map", "fork", 1, 3, 9)
+    error = result["error"]
+    assert error is not None and error["type"] == "WorkerDied"
+    assert len(error["deaths"]) == 2
+    assert "max_worker_restarts=1 were spent on earlier deaths: worker" in error["message"]
+    assert "killed by signal 9" in error["message"]
+    assert result["seen"] == result["reference"][:len(result["seen"])]  # nothing skipped
+
+
+@pytest.mark.deadline(200)
+def test_without_restarts_a_death_still_fails_fast() -> None:
+    result, stderr = victim("lazy", "fork", 0, 4)
+    assert result["error"] is not None and result["error"]["type"] == "WorkerDied"
+    assert len(result["error"]["deaths"]) == 1
+    assert "restarting" not in stderr
+
+
+def test_max_worker_restarts_is_validated() -> None:
+    import aioloader
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_worker_restarts must be an int >= 0"):
+            aioloader.DataLoader([1, 2], batch_size=1, max_worker_restarts=bad)
