@@ -21,15 +21,18 @@ from ._info import WorkerInfo, get_worker_info
 from ._loader import DataLoader
 from ._samplers import BatchSampler, BucketBatchSampler
 from ._sources import Reader
+from ._stats import ArenaStats, LoaderStats, WorkerStats
 from ._sync import SyncLoader
 
 __all__ = [
+    "ArenaStats",
     "BatchSampler",
     "BucketBatchSampler",
     "DataLoader",
     "FrameTooLargeError",
     "LoaderBusyError",
     "LoaderClosedError",
+    "LoaderStats",
     "LoaderTimeoutError",
     "PadCollate",
     "Reader",
@@ -40,6 +43,7 @@ __all__ = [
     "WorkerDied",
     "WorkerError",
     "WorkerInfo",
+    "WorkerStats",
     "default_collate",
     "get_worker_info",
 ]

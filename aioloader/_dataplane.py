@@ -23,6 +23,7 @@ from typing import Any
 
 from ._arena import ArenaMap, Lease, create_file, round_slot_size
 from ._codec import copied_from, decode
+from ._stats import ArenaStats
 
 COPY_IN_THREAD_BYTES = 1 << 20  # a copy this large runs in a thread: the loop keeps going
 LEASE_MIN_BYTES = 256 << 10  # below, a copy costs less than a lease's bookkeeping
@@ -168,6 +169,13 @@ class SlotLedger:
             arena = self.arenas.pop(generation, None)
             if arena is not None:
                 arena.close()
+
+    def usage(self) -> ArenaStats:
+        """Slots now: held by messages not yet taken (filled), leased, and the mapped bytes."""
+        held = sum(list(self._outstanding.values()))
+        nbytes = sum(a.slots * a.slot_size for a in list(self.arenas.values()))
+        return ArenaStats(self.slots, self.slots - held, held - self.leased, self.leased,
+                          nbytes)
 
     def close(self) -> None:
         """Unmap every arena; leased views keep their mapping until the last one goes."""

@@ -8,7 +8,9 @@ its backstop stops its workers on the loop it ran on.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -130,6 +132,7 @@ class Epoch:
     def _abandon(self) -> None:
         """Left behind by a new epoch after it handed over all its batches."""
         self._done = True
+        self._loader._meter.epoch_ended(time.monotonic())
         if self._backstop is not None:
             drop_backstop(self._backstop)
         if self._bar is not None:
@@ -139,8 +142,12 @@ class Epoch:
         if self._done:
             raise StopAsyncIteration
         loader = self._loader
+        began = time.monotonic()
         try:
-            session = self._session or await self._begin()
+            session = self._session
+            if session is None:
+                session = await self._begin()
+                loader._meter.epoch_began(began)
             while True:
                 if loader.batches_per_epoch is not None and (
                         self._produced >= loader.batches_per_epoch):
@@ -158,7 +165,7 @@ class Epoch:
                     continue
                 self._produced += 1
                 loader._cursor.delivered()
-                self._bar.update(1)
+                self._handed(began, step.nbytes)
                 if not self._private:
                     # Batches that were already waiting would otherwise come back to back
                     # without the loop running anything else in between.
@@ -171,6 +178,20 @@ class Epoch:
             raise
         await self._finish(stop=False)
         raise StopAsyncIteration
+
+    def _handed(self, began: float, nbytes: int) -> None:
+        """Telemetry for a batch about to be handed over: the meter, the bar, the log."""
+        loader = self._loader
+        now = time.monotonic()
+        meter = loader._meter
+        meter.handed(began, now, nbytes)
+        bar = self._bar
+        bar.update(1)
+        if not bar.disable and bar.n % 8 == 0:
+            _show_stall(bar, loader)
+        if loader.log_every is not None and now >= loader._next_log:
+            loader._next_log = now + loader.log_every
+            _LOG.info("aioloader: %s", loader.stats())
 
     def _pass_done(self) -> None:
         loader = self._loader
@@ -196,9 +217,12 @@ class Epoch:
         self._done = True
         if self._backstop is not None:
             drop_backstop(self._backstop)
-        if self._bar is not None:
-            self._bar.close()
         loader, session = self._loader, self._session
+        if self._bar is not None:
+            if not self._bar.disable:
+                _show_stall(self._bar, loader)
+            self._bar.close()
+        loader._meter.epoch_ended(time.monotonic())
         with loader._lock:
             if loader._epoch is not None and loader._epoch() is self:
                 loader._epoch = None
@@ -212,6 +236,7 @@ class Epoch:
             session.detach()
 
 
+_LOG = logging.getLogger("aioloader.stats")
 _CLOSING: set[asyncio.Task[None]] = set()  # closes of dropped epochs, until they are done
 
 
@@ -235,6 +260,12 @@ def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> Non
         task.add_done_callback(_CLOSING.discard)
 
     loop.call_soon_threadsafe(spawn)
+
+
+def _show_stall(bar: Any, loader: DataLoader) -> None:
+    meter = loader._meter
+    bar.set_postfix_str(f"data stall {meter.wait / max(meter.wall(), 1e-9):.0%}",
+                        refresh=False)
 
 
 def _bar(loader: DataLoader) -> Any:

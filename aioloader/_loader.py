@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import threading
@@ -24,6 +25,7 @@ from ._session import PassDone, Producer, Session
 from ._setup import Setup
 from ._sources import Kind, classify
 from ._state import Cursor, ResumePoint, make_state, read_state
+from ._stats import NO_ARENA, LoaderStats, Meter
 from ._supervisor import GRACE, RestartBudget
 from ._sync import Portal, SyncLoader, running_loop
 
@@ -87,12 +89,13 @@ class DataLoader:
         even_batches: bool = True,
         zero_copy: bool = True,
         max_worker_restarts: int = 0,
+        log_every: float | None = None,
     ) -> None:
         _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
                   batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
                   num_workers=num_workers, max_instances_in_memory=max_instances_in_memory,
                   start_method=start_method, timeout=timeout, prefetch=prefetch,
-                  max_worker_restarts=max_worker_restarts)
+                  max_worker_restarts=max_worker_restarts, log_every=log_every)
         self._kind = classify(reader)
         if self._kind is not Kind.MAP and batch_sampler is not None and not isinstance(
                 batch_sampler, BatchSampler):
@@ -119,6 +122,11 @@ class DataLoader:
         self.zero_copy = zero_copy
         self.max_worker_restarts = max_worker_restarts
         self._budget = RestartBudget(max_worker_restarts)  # across sessions: per loader
+        self.log_every = log_every
+        self._meter = Meter()
+        self._next_log = 0.0
+        if log_every is not None:
+            _stats_to_stderr()
         self._device = as_device(cuda_device)
         self._topo = topology(even_batches)
         if seed is None:
@@ -184,6 +192,27 @@ class DataLoader:
             self._next_pass = epoch
             self._resume = None  # a resumed position belongs to its own epoch
             self._cursor = Cursor(pass_no=epoch)
+
+    def stats(self) -> LoaderStats:
+        """The loader's telemetry so far: batches and bytes handed over, the time the
+        consumer waited for them and its share of the run ("data stall"), the workers'
+        rates and busy shares, the arena's slots, restarts. Cheap enough for every step.
+
+        Example:
+            >>> loader = DataLoader(list(range(8)), batch_size=4, quiet=True)
+            >>> _ = list(loader)
+            >>> loader.stats().batches
+            2
+        """
+        session = self._box.session
+        workers, arena = session.producer.stats() if session is not None else ((), NO_ARENA)
+        meter = self._meter
+        wall = meter.wall()
+        return LoaderStats(
+            batches=meter.batches, bytes=meter.bytes, wait_s=meter.wait, wall_s=wall,
+            data_stall=meter.wait / wall if wall > 0 else 0.0,
+            time_to_first_batch_s=meter.first, workers=workers, arena=arena,
+            restarts=len(self._budget.deaths), recycles=self._budget.recycles)
 
     @property
     def sampler(self) -> EpochSetter:
@@ -472,6 +501,18 @@ class EpochSetter:
             loader.set_epoch(epoch)
 
 
+def _stats_to_stderr() -> None:
+    """``log_every`` asks for the lines: make sure they show even where logging is not set
+    up (Python shows warnings only by default). Configure ``aioloader.stats`` to route them."""
+    log = logging.getLogger("aioloader.stats")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not log.hasHandlers():  # nothing up the tree would print it
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+
+
 def _stream_seeds(spec: PlanSpec) -> Callable[[int], int]:
     """A stream's seed per pass in this process: worker 0's, so that one shard gives the
     same batches in or out of a worker. Not a method: a producer holding the loader would
@@ -482,7 +523,7 @@ def _stream_seeds(spec: PlanSpec) -> Callable[[int], int]:
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,
               batches_per_epoch: int | None, num_workers: int,
               max_instances_in_memory: int | None, start_method: str, timeout: float | None,
-              prefetch: int, max_worker_restarts: int) -> None:
+              prefetch: int, max_worker_restarts: int, log_every: float | None) -> None:
     """The constructor's rules (AllenNLP's MultiProcessDataLoader's, plus a few)."""
     if num_workers is None or num_workers < 0:
         raise ValueError(f"num_workers cannot be negative, got {num_workers}")
@@ -516,3 +557,5 @@ def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_s
             max_worker_restarts < 0):
         raise ValueError("max_worker_restarts must be an int >= 0 (0: a dead worker ends the "
                          f"epoch), got {max_worker_restarts!r}")
+    if log_every is not None and not log_every > 0:
+        raise ValueError(f"log_every must be a positive number of seconds, got {log_every!r}")

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
+from ._codec import tensors_nbytes
 from ._pipeline import BatchOptions, ShardPass, collate_with, sync_batches
 from ._position import (
     PASS_START,
@@ -24,6 +25,7 @@ from ._position import (
 from ._producers import INSTANCE_CHUNK, Plan, Plans
 from ._session import Activity, PassDone, Step
 from ._sources import Kind, fetch, is_async, open_shard
+from ._stats import NO_ARENA, ArenaStats, WorkerStats
 from ._supervisor import Delivered
 
 T = TypeVar("T")
@@ -63,6 +65,9 @@ class _InProcess:
     def last_activity(self) -> float:
         return self.activity()
 
+    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
+        return (), NO_ARENA
+
     def attach(self, private: bool) -> None:
         self.private = private
 
@@ -99,8 +104,10 @@ class LocalIndex(_InProcess):
         if isinstance(indices, PassDone):
             return indices
         if self.private and not self.timed:  # a timeout needs the loop free to fire
-            return Delivered(self._fetch(indices))
-        return Delivered(await self.offload(self._fetch, indices))
+            batch = self._fetch(indices)
+        else:
+            batch = await self.offload(self._fetch, indices)
+        return Delivered(batch, nbytes=tensors_nbytes(batch))
 
     def behind(self) -> str:
         return "the dataset in this process (num_workers=0)"
@@ -143,7 +150,7 @@ class LocalStream(_InProcess):
             value, mark = got
             self._shard.delivered(mark)
             self._produced += 1
-            return Delivered(value, mark=mark)
+            return Delivered(value, mark=mark, nbytes=tensors_nbytes(value))
         done = PassDone(self._produced == 0)
         self._pass = None
         self._shard.ended()

@@ -19,6 +19,7 @@ from ._errors import ResumeError
 from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ._session import PassDone, Step
 from ._sources import shard_spec
+from ._stats import ArenaStats, WorkerStats
 from ._supervisor import Delivered, Ended, Supervisor, WorkerLost
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking: a thread)
@@ -99,6 +100,9 @@ class _OnWorkers:
 
     def last_activity(self) -> float:
         return self.sup.last_heard
+
+    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
+        return self.sup.stats()
 
     def attach(self, private: bool) -> None:
         self.sup.attach()

@@ -42,6 +42,7 @@ from ._errors import (
     describe_exit,
 )
 from ._position import ShardPosition
+from ._stats import ArenaStats, WorkerStats
 from ._worker import WorkerSpec, worker_main
 
 # Processes are started from one long-lived thread: starting can block (spawn writes the
@@ -85,6 +86,7 @@ class RestartBudget:
 
     limit: int = 0
     deaths: list[WorkerDied] = field(default_factory=list)
+    recycles: int = 0  # workers retired on purpose (max_batches_per_worker, max_worker_rss)
 
     def spend(self, died: WorkerDied) -> WorkerDied | None:
         """Count ``died``: None when it may be healed, else the error that ends the run."""
@@ -107,6 +109,7 @@ class Delivered:
     value: Any
     seq: int = -1
     mark: Any = None
+    nbytes: int = 0  # tensor bytes (telemetry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,10 @@ class WorkerState:
     outbox: bytearray = field(default_factory=bytearray)
     starting: concurrent.futures.Future[None] | None = None
     lost: WorkerDied | None = None  # died, and may be restarted
+    born: float = field(default_factory=time.monotonic)
+    last: float = 0.0  # when its latest batch was handed over
+    batches: int = 0  # handed to the consumer (telemetry)
+    busy: float = 0.0  # seconds the worker spent working, as it last said
     eof: bool = False
     exited: bool = False
     started: bool = False
@@ -385,7 +392,10 @@ class Supervisor:
                     w.ledger.skip(msg.slot)
                     return Ended(msg.pass_no)
                 value = await w.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
-                return Delivered(value, msg.seq, msg.mark)
+                w.batches += 1
+                w.busy = msg.busy
+                w.last = time.monotonic()
+                return Delivered(value, msg.seq, msg.mark, msg.nbytes)
             if w.lost is not None:  # what it sent before dying was taken first
                 raise WorkerLost(worker_id)
             assert self._loop is not None, "receive() outside an attached epoch"
@@ -436,6 +446,22 @@ class Supervisor:
             self._loop.remove_writer(w.sock.fileno())
 
     # ------------------------------------------------------------------ stop
+
+    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
+        """Each worker's telemetry, and the arenas'; plain reads, no syscall."""
+        workers = tuple(
+            WorkerStats(w.id, w.process.pid if not w.reaped else None, w.batches,
+                        w.batches / max(w.last - w.born, 1e-9) if w.batches else 0.0,
+                        min(w.busy / max(w.last - w.born, 1e-9), 1.0) if w.batches else 0.0)
+            for w in list(self.workers))
+        slots = filled = leased = nbytes = 0
+        for w in list(self.workers):
+            usage = w.ledger.usage()
+            slots += usage.slots
+            filled += usage.filled
+            leased += usage.leased
+            nbytes += usage.bytes
+        return workers, ArenaStats(slots, slots - filled - leased, filled, leased, nbytes)
 
     def describe(self, worker_ids: list[int]) -> str:
         return ", ".join(f"worker {k} (pid {self.workers[k].pid})" for k in worker_ids)

@@ -56,6 +56,8 @@ class Batch:
     ``nbytes``: how much tensor data the slot holds, so the parent knows what copying it
     out costs before it starts. ``mark``: where a stream's batch lies in its pass
     (``_position.Mark``), so that the parent knows where to resume; None for index batches.
+    ``busy``: seconds the worker has spent working (not waiting for a slot or a task) since
+    it started, for the loader's telemetry.
     """
 
     TAG: ClassVar[Tag] = Tag.BATCH
@@ -64,6 +66,7 @@ class Batch:
     nbytes: int
     tree: Any
     mark: Any = None
+    busy: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,7 +130,8 @@ class _Channel:
         self.pool = SlotPool(spec.slots, f"aioloader-w{spec.worker_id}")
         self.tasks: collections.deque[wire.Task] = collections.deque()
         self.eof = False
-        self.last_sent = time.monotonic()
+        self.last_sent = self.started = time.monotonic()
+        self.idle = 0.0  # seconds spent waiting for a slot or a task (telemetry: busy share)
         self._wake: asyncio.Future[None] | None = None
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._on_readable)
@@ -160,12 +161,18 @@ class _Channel:
 
     async def _until(self, ready: Callable[[], bool]) -> bool:
         """Wait for ``ready()``; False when the parent went away first."""
-        while not ready():
-            if self.eof:
-                return False
-            self._wake = self.loop.create_future()
-            await self._wake
-        return True
+        if ready():
+            return True
+        began = time.monotonic()
+        try:
+            while not ready():
+                if self.eof:
+                    return False
+                self._wake = self.loop.create_future()
+                await self._wake
+            return True
+        finally:
+            self.idle += time.monotonic() - began
 
     async def slot(self) -> int | None:
         if not await self._until(lambda: bool(self.pool.free)):
@@ -248,7 +255,8 @@ class _Channel:
             writer = SlotWriter(self._arena(), slot)
             tree = encode(payload, writer)
         nbytes = writer.pos - writer.start
-        await self.send(wire.Batch(slot, seq, nbytes, tree, mark))
+        busy = time.monotonic() - self.started - self.idle
+        await self.send(wire.Batch(slot, seq, nbytes, tree, mark, busy))
         return True
 
     def _arena(self) -> ArenaMap:

@@ -74,7 +74,8 @@ def gone(pid: int) -> None:
 def main() -> None:
     kind, start_method, restarts, *kills = sys.argv[1:]
     after = sorted(int(k) for k in kills)
-    reference = [b["i"].tolist() for b in make(kind, start_method, 0)]
+    with make(kind, start_method, 0) as uninterrupted:  # closed: its workers must not be
+        reference = [b["i"].tolist() for b in uninterrupted]  # taken for the victims
     loader = make(kind, start_method, int(restarts))
     seen: list[list[int]] = []
     error = None

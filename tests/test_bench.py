@@ -65,7 +65,9 @@ def test_quick_tiny_prints_machine_table_and_targets(
         row = next((line for line in lines if line.startswith("tiny") and label in line), None)
         assert row is not None, f"no row for {label!r}:\n{out}"
         tail = row.split(label, 1)[1].split()
-        float(tail[0]), float(tail[1])  # a figure for aioloader and one for torch
+        float(tail[0])  # a figure for aioloader, and one for torch unless it has none
+        if label != "data stall %":
+            float(tail[1])
     assert any(line.startswith(("PASS", "MISS")) for line in lines)
 
 

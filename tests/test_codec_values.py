@@ -474,7 +474,8 @@ def test_a_message_over_the_frame_limit_says_what_to_do(monkeypatch):
     monkeypatch.setattr(wire, "MAX_FRAME", 1000)
     wire.encode(wire.Batch(0, 7, 0, ["l", ["x" * 500]]))  # under the limit
     tree = ["l", ["x" * 2000]]
-    size = len(msgpack.packb([int(wire.Tag.BATCH), 0, 7, 0, tree, None], use_bin_type=True))
+    size = len(msgpack.packb([int(wire.Tag.BATCH), 0, 7, 0, tree, None, 0.0],
+                             use_bin_type=True))
     with pytest.raises(FrameTooLargeError) as err:
         wire.encode(wire.Batch(0, 7, 0, tree))
     text = str(err.value)

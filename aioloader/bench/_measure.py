@@ -77,6 +77,7 @@ class _Clock:
     cpu: list[float] = field(default_factory=list)
     epoch_ends: list[int] = field(default_factory=list)
     nbytes: int = 0
+    data_stall: float | None = None  # aioloader's own figure, from loader.stats()
 
     def arrived(self, batch: Any) -> None:
         self.stamps.append(time.perf_counter())
@@ -101,6 +102,8 @@ class _Clock:
             "cpu_ms_per_batch": (self.cpu[-1] - self.cpu[0]) / (n - 1) * 1e3,
             "gap_p50_ms": percentile(gaps, 50) * 1e3,
         }
+        if self.data_stall is not None:
+            out["data_stall_pct"] = self.data_stall * 100
         if len(self.epoch_ends) > 1 and 0 < self.epoch_ends[0] < n:
             last = self.epoch_ends[0]
             out["stall_ms"] = (self.stamps[last] - self.stamps[last - 1]) * 1e3
@@ -140,6 +143,7 @@ def _aio_sync_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
             for batch in loader:
                 clock.arrived(batch)
             clock.epoch_end()
+        clock.data_stall = loader.stats().data_stall
     return clock
 
 
@@ -150,6 +154,7 @@ async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Cl
             async for batch in loader:
                 clock.arrived(batch)
             clock.epoch_end()
+        clock.data_stall = loader.stats().data_stall
     return clock
 
 

@@ -19,6 +19,9 @@ THROUGHPUT_METRICS = (
     ("stall_ms", "epoch stall ms"),
     ("cpu_ms_per_batch", "main CPU ms/batch"),
     ("peak_rss_mb", "peak RSS +MB"),
+    # The consumer's wait share, from loader.stats() (aioloader only). The bench's consumer
+    # does no work, so it is near 100 %: the loader is the bottleneck by design here.
+    ("data_stall_pct", "data stall %"),
 )
 LAG_METRICS = (
     ("lag_p50_ms", "lag p50 ms"),
