@@ -89,6 +89,8 @@ class DataLoader:
         even_batches: bool = True,
         zero_copy: bool = True,
         max_worker_restarts: int = 0,
+        max_batches_per_worker: int | None = None,
+        max_worker_rss: int | None = None,
         log_every: float | None = None,
     ) -> None:
         _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
@@ -96,6 +98,11 @@ class DataLoader:
                   num_workers=num_workers, max_instances_in_memory=max_instances_in_memory,
                   start_method=start_method, timeout=timeout, prefetch=prefetch,
                   max_worker_restarts=max_worker_restarts, log_every=log_every)
+        for name, value in (("max_batches_per_worker", max_batches_per_worker),
+                            ("max_worker_rss", max_worker_rss)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         self._kind = classify(reader)
         if self._kind is not Kind.MAP and batch_sampler is not None and not isinstance(
                 batch_sampler, BatchSampler):
@@ -121,6 +128,8 @@ class DataLoader:
         self.even_batches = even_batches
         self.zero_copy = zero_copy
         self.max_worker_restarts = max_worker_restarts
+        self.max_batches_per_worker = max_batches_per_worker
+        self.max_worker_rss = max_worker_rss
         self._budget = RestartBudget(max_worker_restarts)  # across sessions: per loader
         self.log_every = log_every
         self._meter = Meter()
@@ -160,7 +169,8 @@ class DataLoader:
             options=self._options, collate_fn=self.collate_fn, num_workers=self.num_workers,
             start_method=self.start_method, prefetch=self.prefetch, zero_copy=self.zero_copy,
             seed=seed, rank=self._topo.rank, world_size=self._topo.world_size,
-            timed=self.timeout is not None, budget=self._budget)
+            timed=self.timeout is not None, budget=self._budget,
+            max_batches=self.max_batches_per_worker, max_rss=self.max_worker_rss)
 
     # ------------------------------------------------------------------ public
 
@@ -212,7 +222,7 @@ class DataLoader:
             batches=meter.batches, bytes=meter.bytes, wait_s=meter.wait, wall_s=wall,
             data_stall=meter.wait / wall if wall > 0 else 0.0,
             time_to_first_batch_s=meter.first, workers=workers, arena=arena,
-            restarts=len(self._budget.deaths), recycles=self._budget.recycles)
+            restarts=self._budget.restarts, recycles=self._budget.recycles)
 
     @property
     def sampler(self) -> EpochSetter:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,15 +71,6 @@ def sync_batches(stream: Iterable[Any],
     for instance in stream:
         yield from batcher.feed(instance)
     yield from batcher.finish()
-
-
-async def async_batches(stream: AsyncIterable[Any],
-                        batcher: ShardPass) -> AsyncIterator[tuple[list[Any], Mark]]:
-    async for instance in stream:
-        for marked in batcher.feed(instance):
-            yield marked
-    for marked in batcher.finish():
-        yield marked
 
 
 def collate_with(collate_fn: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], Any]:

@@ -40,6 +40,8 @@ class Setup:
     world_size: int
     timed: bool  # a timeout is set: progress is reported, nothing runs inline
     budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
+    max_batches: int | None = None  # max_batches_per_worker
+    max_rss: int | None = None  # max_worker_rss
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
@@ -49,7 +51,10 @@ class Setup:
             num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
             seed=self.seed, first_pass=first_pass, slots=self.prefetch,
             parent_pid=os.getpid() if self.start_method != "forkserver" else 0,
-            progress=self.timed, starts=starts)
+            progress=self.timed, starts=starts,
+            # A cache-filling pass is read once: recycling is for the epochs' workers.
+            max_batches=self.max_batches if role != "instances" else None,
+            max_rss=self.max_rss if role != "instances" else None)
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
                           budget=self.budget)
 

@@ -17,7 +17,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import multiprocessing.process
 import os
@@ -55,6 +54,7 @@ _STARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloade
 # child also detaches the socket objects it inherited: one collected there later would
 # close whatever its fd number has become by then (uvloop's io_uring fd: SIGABRT, issue 9).
 _PARENT_SOCKS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+_REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
 def _close_parent_socks_in_child() -> None:
@@ -87,6 +87,7 @@ class RestartBudget:
     limit: int = 0
     deaths: list[WorkerDied] = field(default_factory=list)
     recycles: int = 0  # workers retired on purpose (max_batches_per_worker, max_worker_rss)
+    restarts: int = 0  # deaths healed
 
     def spend(self, died: WorkerDied) -> WorkerDied | None:
         """Count ``died``: None when it may be healed, else the error that ends the run."""
@@ -131,12 +132,16 @@ class WorkerState:
     sock: socket.socket
     ledger: SlotLedger
     frames: wire.FrameReader = field(default_factory=wire.FrameReader)
-    inbox: collections.deque[wire.Batch | wire.PassEnd] = field(
+    inbox: collections.deque[wire.Batch | wire.PassEnd | wire.Retiring] = field(
         default_factory=collections.deque)
     fds: collections.deque[int] = field(default_factory=collections.deque)
     outbox: bytearray = field(default_factory=bytearray)
     starting: concurrent.futures.Future[None] | None = None
     lost: WorkerDied | None = None  # died, and may be restarted
+    successor: WorkerState | None = None  # started when this one said it is retiring
+    handed_over: bool = False  # new work goes to the successor
+    deferred: wire.Retiring | None = None  # retiring, its successor not started yet
+    sent: dict[int, list[int]] = field(default_factory=dict)  # index tasks not yet taken
     born: float = field(default_factory=time.monotonic)
     last: float = 0.0  # when its latest batch was handed over
     batches: int = 0  # handed to the consumer (telemetry)
@@ -168,6 +173,7 @@ class Supervisor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._reaping = threading.Lock()
+        self._retired: list[WorkerState] = []  # replaced processes, reaped at the end
 
     # ------------------------------------------------------------------ start
 
@@ -221,10 +227,56 @@ class Supervisor:
         parent.setblocking(False)
         proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
                            name=f"aioloader-worker-{k}")
-        w = WorkerState(k, proc, parent, SlotLedger(
-            self.spec.slots, functools.partial(self._release, k), lease=self.lease))
+        holder: list[WorkerState] = []  # a slot goes back to the process it belongs to
+        ledger = SlotLedger(self.spec.slots,
+                            lambda slot: self._send_to(holder[0], wire.Release(slot)),
+                            lease=self.lease)
+        w = WorkerState(k, proc, parent, ledger)
+        holder.append(w)
         w.starting = _STARTER.submit(_start_process, w, child)
         return w
+
+    def _retire(self, w: WorkerState) -> None:
+        """Let ``w`` go: EOF tells it to exit; it is reaped with the others (or at once by
+        :meth:`_reap_retired`)."""
+        if self._loop is not None and w.started:
+            self._unwatch(w)
+        _PARENT_SOCKS.discard(w.sock)
+        w.sock.close()
+        while w.fds:
+            os.close(w.fds.popleft())
+        w.ledger.close()  # leased batches keep their mapping until they go
+        self._retired.append(w)
+        if w.successor is not None:  # retiring when it died: its successor goes too
+            self._retire(w.successor)
+            w.successor = None
+
+    async def _reap_retired(self) -> None:
+        """Wait for retired processes off the loop, so they do not linger as zombies."""
+        await asyncio.get_running_loop().run_in_executor(None, self._reap, GRACE, True)
+
+    async def _switch(self, worker_id: int) -> WorkerState:
+        """Worker ``worker_id``'s successor takes its place (recycling)."""
+        old = self.workers[worker_id]
+        new = old.successor
+        assert new is not None and new.starting is not None
+        old.successor = None
+        await asyncio.shield(asyncio.wrap_future(new.starting))
+        self.workers[worker_id] = new
+        new.sent = old.sent  # what the retiring worker did not answer, in order
+        for seq, indices in new.sent.items():
+            self._send_to(new, wire.Task(seq, indices))
+        self._retire(old)
+        if self._loop is not None and not self.closed:
+            self._watch(new)
+        task = asyncio.get_running_loop().create_task(self._reap_retired())
+        _REAPS.add(task)
+        task.add_done_callback(_REAPS.discard)
+        for waiting in self.workers:  # the next hand-over that waited for this one
+            if waiting.deferred is not None and waiting.lost is None:
+                self._start_successor(waiting, waiting.deferred)
+                break
+        return new
 
     async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None:
         """Replace worker ``worker_id``, which died (:class:`WorkerLost`), by a new process
@@ -232,22 +284,13 @@ class Supervisor:
         old = self.workers[worker_id]
         died = old.lost
         assert died is not None, f"worker {worker_id} is not lost"
-        if self._loop is not None:
-            self._unwatch(old)
-        _PARENT_SOCKS.discard(old.sock)
-        old.sock.close()
-        while old.fds:
-            os.close(old.fds.popleft())
-        old.ledger.close()  # leased batches keep their mapping until they go
+        self._retire(old)
         spec = self.spec.for_worker(worker_id)
         if start is not None:
             spec = spec.starting_at(start, self.num_workers)
         new = self._spawn(spec)
         self.workers[worker_id] = new
-        if old.started and not old.reaped:
-            old.process.join()
-            old.process.close()
-            old.reaped = True
+        self.budget.restarts += 1
         count = len(self.budget.deaths)
         log.warning("worker %d (pid %s) died: %s; restarting it (restart %d of "
                     "max_worker_restarts=%d)%s", worker_id, died.pid,
@@ -351,7 +394,34 @@ class Supervisor:
                 os.close(fd)
         elif isinstance(msg, wire.Failed):
             self._fail(_worker_error(w, msg))
+        elif isinstance(msg, wire.Retiring):
+            self._recycle(w, msg)
         # wire.Progress: hearing it (last_heard) is all it is for
+
+    def _recycle(self, w: WorkerState, msg: wire.Retiring) -> None:
+        """``w`` is due for recycling: start its successor now, ahead of the hand-over, so
+        that the consumer takes ``w``'s last batches while the new process starts."""
+        if w.successor is not None or self.closed:
+            return
+        if msg.position is not None:
+            w.inbox.append(msg)  # the hand-over, after the batches sent before it
+        # (index batches: the worker answers no more tasks; they wait for its successor)
+        if any(x.successor is not None for x in self.workers):
+            w.deferred = msg  # one hand-over at a time, unless the consumer needs this one
+            return
+        self._start_successor(w, msg)
+
+    def _start_successor(self, w: WorkerState, msg: wire.Retiring) -> None:
+        w.deferred = None
+        spec = self.spec.for_worker(w.id)
+        if msg.position is not None:  # a stream: the successor goes on from there
+            spec = spec.starting_at(ShardPosition.from_data(msg.position), self.num_workers)
+        else:  # index batches: new tasks go to the successor from now on
+            w.handed_over = True
+        w.successor = self._spawn(spec)
+        self.budget.recycles += 1
+        log.info("worker %d (pid %s) is retiring (recycle %d); its successor starts",
+                 w.id, w.pid, self.budget.recycles)
 
     def _on_exit(self, w: WorkerState) -> None:
         try:
@@ -388,16 +458,26 @@ class Supervisor:
                 raise LoaderClosedError("the loader was closed")
             if w.inbox:
                 msg = w.inbox.popleft()
+                if isinstance(msg, wire.Retiring):
+                    w.handed_over = True
+                    continue
                 if isinstance(msg, wire.PassEnd):
                     w.ledger.skip(msg.slot)
                     return Ended(msg.pass_no)
                 value = await w.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
+                w.sent.pop(msg.seq, None)
                 w.batches += 1
                 w.busy = msg.busy
                 w.last = time.monotonic()
                 return Delivered(value, msg.seq, msg.mark, msg.nbytes)
             if w.lost is not None:  # what it sent before dying was taken first
                 raise WorkerLost(worker_id)
+            if w.deferred is not None and (w.handed_over or w.sent):
+                # The consumer needs this one now: its hand-over waits no longer.
+                self._start_successor(w, w.deferred)
+            if w.successor is not None and w.handed_over:
+                w = await self._switch(worker_id)
+                continue
             assert self._loop is not None, "receive() outside an attached epoch"
             w.ledger.reclaim()
             self._waiter = self._loop.create_future()
@@ -408,16 +488,19 @@ class Supervisor:
 
     # ------------------------------------------------------------------ send
 
-    def _release(self, worker_id: int, slot: int) -> None:
-        self._send(worker_id, wire.Release(slot))
-
     def request(self, worker_id: int, seq: int, indices: list[int]) -> None:
-        """Ask worker ``worker_id`` for the batch of ``indices``, numbered ``seq``."""
-        self._send(worker_id, wire.Task(seq, indices))
+        """Ask worker ``worker_id`` for the batch of ``indices``, numbered ``seq``.
 
-    def _send(self, worker_id: int, msg: wire.Message) -> None:
+        Once it is retiring the task waits for its successor, which gets every task the
+        retiring one did not answer, in order, when it takes over.
+        """
         w = self.workers[worker_id]
-        if w.eof or self.closed:
+        w.sent[seq] = indices
+        if not w.handed_over:
+            self._send_to(w, wire.Task(seq, indices))
+
+    def _send_to(self, w: WorkerState, msg: wire.Message) -> None:
+        if w.eof or self.closed or w.sock.fileno() < 0:
             return
         frame = wire.encode(msg)
         if w.outbox:
@@ -431,7 +514,7 @@ class Supervisor:
             return  # the worker is gone; its sentinel tells why
         if sent < len(frame):
             w.outbox += frame[sent:]
-            if self._loop is not None:
+            if self._loop is not None and w is self.workers[w.id]:  # else: watched later
                 self._loop.add_writer(w.sock.fileno(), self._on_writable, w)
 
     def _on_writable(self, w: WorkerState) -> None:
@@ -493,7 +576,7 @@ class Supervisor:
             return False
         self.closed = True
         self.detach()
-        for w in self.workers:
+        for w in [*self.workers, *(w.successor for w in self.workers if w.successor)]:
             _PARENT_SOCKS.discard(w.sock)
             w.sock.close()  # EOF: the worker's signal to stop
             while w.fds:
@@ -501,15 +584,19 @@ class Supervisor:
         self._wake()
         return True
 
-    def _reap(self, grace: float) -> None:
+    def _reap(self, grace: float, retired_only: bool = False) -> None:
         with self._reaping:  # the executor's thread and a cancelled caller may both get here
-            self._reap_locked(grace)
+            self._reap_locked(grace, retired_only)
 
-    def _reap_locked(self, grace: float) -> None:
-        pending = [w.starting for w in self.workers if w.starting is not None]
+    def _reap_locked(self, grace: float, retired_only: bool = False) -> None:
+        everyone = list(self._retired)
+        if not retired_only:
+            everyone += [w for w in self.workers]
+            everyone += [w.successor for w in self.workers if w.successor is not None]
+        pending = [w.starting for w in everyone if w.starting is not None]
         concurrent.futures.wait(pending)  # a start in flight finishes, then is reaped
         deadline = time.monotonic() + grace
-        started = [w for w in self.workers if w.started and not w.reaped]
+        started = [w for w in everyone if w.started and not w.reaped]
         for w in started:
             w.process.join(max(0.0, deadline - time.monotonic()))
         for escalate in (BaseProcess.terminate, BaseProcess.kill):
@@ -525,7 +612,10 @@ class Supervisor:
             w.process.join()
             w.process.close()
             w.reaped = True
-        for w in self.workers:
+        self._retired = [w for w in self._retired if not w.reaped]
+        if retired_only:
+            return
+        for w in everyone:
             w.ledger.close()
 
 

@@ -30,6 +30,7 @@ class Tag(enum.IntEnum):
     FAILED = 12
     ARENA = 13
     PROGRESS = 14
+    RETIRING = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +111,19 @@ class Progress:
     TAG: ClassVar[Tag] = Tag.PROGRESS
 
 
-Message = Release | Task | Batch | PassEnd | Failed | Arena | Progress
+@dataclass(frozen=True, slots=True)
+class Retiring:
+    """The worker is due for recycling (max_batches_per_worker, max_worker_rss): a successor
+    takes over its stream at ``position`` (``ShardPosition.to_data()``; everything before
+    was sent already), or, for index batches (None), the tasks not yet sent to it."""
+
+    TAG: ClassVar[Tag] = Tag.RETIRING
+    position: Any
+
+
+Message = Release | Task | Batch | PassEnd | Failed | Arena | Progress | Retiring
 _TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (Release, Task, Batch, PassEnd,
-                                                         Failed, Arena, Progress)}
+                                                         Failed, Arena, Progress, Retiring)}
 
 
 def encode(msg: Message) -> bytes:

@@ -33,7 +33,7 @@ from ._codec import encode, tensors_nbytes
 from ._collate import use_allocator
 from ._dataplane import SlotPool
 from ._info import WorkerInfo, set_worker_info
-from ._pipeline import BatchOptions, ShardPass, async_batches, collate_with
+from ._pipeline import BatchOptions, ShardPass, collate_with
 from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
 from ._samplers import derive_seed
 from ._sources import Kind, as_async, fetch, is_async
@@ -64,6 +64,8 @@ class WorkerSpec:
     parent_pid: int
     progress: bool = False  # a timeout is set: say Progress while reading (it measures silence)
     starts: tuple[ShardPosition, ...] | None = None  # per worker: where a resumed stream starts
+    max_batches: int | None = None  # retire after this many batches (max_batches_per_worker)
+    max_rss: int | None = None  # retire past this resident size, in bytes (max_worker_rss)
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
@@ -340,11 +342,51 @@ async def _instances(spec: WorkerSpec, chan: _Channel,
         yield item
 
 
+class _Retirement:
+    """When this worker should hand its work to a successor: after ``max_batches`` batches,
+    or once its resident memory passes ``max_rss`` (a big forked dataset's pages turn
+    private as Python's refcounts touch them: torch issue 13246)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.max_batches = spec.max_batches
+        self.max_rss = spec.max_rss
+        self.batches = 0
+
+    def batch_done(self) -> bool:
+        """Count a batch; True when the worker should retire now."""
+        self.batches += 1
+        if self.max_batches is not None and self.batches >= self.max_batches:
+            return True
+        # One read of smaps_rollup a batch: ~0.1-1 ms, against a batch of real work.
+        return self.max_rss is not None and own_memory() > self.max_rss
+
+
+def own_memory() -> int:
+    """Bytes of memory this process holds alone: its private pages (USS).
+
+    Not the RSS, which counts the pages a forked worker still shares with its parent: a
+    worker's RSS starts as large as the parent's. Copy-on-access growth is private pages.
+    """
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            text = f.read()
+    except OSError:  # not Linux: the peak RSS is the best there is
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    total = 0
+    for line in text.splitlines():
+        if line.startswith((b"Private_Clean:", b"Private_Dirty:")):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
 async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
     """Passes over this worker's shard, one after the other, until the parent stops us."""
     start: ShardPosition | None = spec.start()
     assert start is not None
     pass_no = start.pass_no
+    retire = _Retirement(spec)
     while True:
         seed = spec.seed_for(pass_no)
         set_worker_info(WorkerInfo(spec.num_workers, spec.worker_id, seed, spec.rank,
@@ -359,11 +401,22 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
                           start.start if start is not None else PASS_START)
             batcher = ShardPass(shard, spec.options, seed, start)
             start = None
-            async for group, mark in async_batches(_instances(spec, chan, shard.stream),
-                                                   batcher):
+            due = False
+            async for instance in _instances(spec, chan, shard.stream):
+                for group, mark in batcher.feed(instance):
+                    if not await chan.emit(sent, _collate(spec, group), mark):
+                        return
+                    sent += 1
+                    due = retire.batch_done() or due
+                if due and batcher.batcher.filled == 0:  # a block boundary: hand over here
+                    block = batcher.batcher.block
+                    await _hand_over(chan, ShardPosition(pass_no, batcher.starts[block]))
+                    return
+            for group, mark in batcher.finish():
                 if not await chan.emit(sent, _collate(spec, group), mark):
                     return
                 sent += 1
+                due = retire.batch_done() or due
         slot = await chan.slot()  # a pass end takes a slot too: bounded, even when empty
         if slot is None:
             return
@@ -372,6 +425,15 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
             await chan._until(lambda: False)  # one pass only: wait for the parent to close
             return
         pass_no += 1
+        if due:
+            await _hand_over(chan, ShardPosition(pass_no))
+            return
+
+
+async def _hand_over(chan: _Channel, position: ShardPosition | None) -> None:
+    """Retire: say where a successor takes over, then wait for the parent to close us."""
+    await chan.send(wire.Retiring(position.to_data() if position is not None else None))
+    await chan._until(lambda: False)
 
 
 async def _send_instances(spec: WorkerSpec, chan: _Channel, start: BlockStart) -> int:
@@ -394,11 +456,19 @@ async def _send_instances(spec: WorkerSpec, chan: _Channel, start: BlockStart) -
 
 
 async def _run_index(spec: WorkerSpec, chan: _Channel) -> None:
-    """Fetch and collate the index batches the parent sends, in the order it sends them."""
+    """Fetch and collate the index batches the parent sends, in the order it sends them.
+
+    A retiring worker says so and answers no more tasks: the parent gives the ones it did
+    not answer to its successor, and closes this one once its batches are taken.
+    """
+    retire = _Retirement(spec)
     while True:
         task = await chan.task()
         if task is None:
             return
         group = fetch(spec.source, task.indices, chan.progress if spec.progress else None)
         if not await chan.emit(task.seq, _collate(spec, group)):
+            return
+        if retire.batch_done():
+            await _hand_over(chan, None)
             return

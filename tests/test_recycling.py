@@ -1,0 +1,80 @@
+"""Worker recycling (issue 12): max_batches_per_worker and max_worker_rss retire a worker
+between batches; its successor starts ahead of the hand-over and goes on exactly where it
+stopped. Copy-on-access memory growth (torch issue 13246) stays under the ceiling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from resume_sources import Items, SyncReader
+
+import aioloader
+
+VICTIM = Path(__file__).parent / "cow_victim.py"
+
+
+@pytest.mark.deadline(180)
+@pytest.mark.parametrize(("kind", "start_method"), [
+    ("map", "fork"), ("lazy", "fork"), ("cached", "fork"), ("map", "spawn"),
+])
+def test_recycling_every_5_batches_keeps_every_batch_once_and_in_order(
+        kind: str, start_method: str) -> None:
+    source = Items(800) if kind == "map" else SyncReader(800)
+    lazy = 16 if kind == "lazy" else None
+
+    def make(**kw: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(source, batch_size=4, shuffle=True, seed=1, num_workers=2,
+                                    start_method=start_method, max_instances_in_memory=lazy,
+                                    quiet=True, **kw)
+
+    with make() as reference:
+        want = [b["i"].tolist() for b in reference]
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}  # a helper of earlier tests (forkserver) stays
+    most = 0
+    with make(max_batches_per_worker=5) as loader:
+        got = []
+        for batch in loader:
+            got.append(batch["i"].tolist())
+            live = [c for c in me.children()
+                    if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+            most = max(most, len(live))
+        stats = loader.stats()
+    assert len(got) == 200 and got == want
+    assert stats.recycles >= 15, stats
+    # 2 workers + 1 successor; a retired worker may still be on its way out (EOF sent).
+    assert most <= 2 + 2, most
+
+
+def _cow(limit_mb: int) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, str(VICTIM), str(limit_mb)], capture_output=True,
+                          text=True, timeout=240, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["exact"] and result["batches"] == 24
+    return result
+
+
+@pytest.mark.deadline(300)
+def test_max_worker_rss_bounds_copy_on_access_growth() -> None:
+    """~200 MB of Python objects, read by 2 workers: without a ceiling each worker's own
+    memory grows toward its share of them; with max_worker_rss=40 MB it stays under the
+    ceiling plus one batch (a batch touches 4 x 2 MB of objects)."""
+    unbounded = _cow(0)
+    bounded = _cow(40)
+    assert unbounded["peak_uss_mb"] > 80, unbounded
+    assert unbounded["recycles"] == 0
+    assert bounded["peak_uss_mb"] <= 40 + 8 + 4, bounded
+    assert bounded["recycles"] >= 2, bounded
+
+
+def test_recycling_options_are_validated() -> None:
+    for name in ("max_batches_per_worker", "max_worker_rss"):
+        for bad in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be None or an int >= 1"):
+                aioloader.DataLoader([1], batch_size=1, **{name: bad})
