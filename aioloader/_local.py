@@ -24,7 +24,7 @@ from ._position import (
 )
 from ._producers import INSTANCE_CHUNK, Plan, Plans
 from ._session import Activity, PassDone, Step
-from ._sources import Kind, fetch, is_async, open_shard
+from ._sources import Kind, fetch, is_async
 from ._stats import NO_ARENA, ArenaStats, WorkerStats
 from ._supervisor import Delivered
 
@@ -268,7 +268,7 @@ class LocalInstances(_InProcess):
     def __init__(self, source: Any, kind: Kind, data_path: Any, rank: int,
                  world_size: int, *, timed: bool) -> None:
         super().__init__(timed=timed)
-        self._stream = open_shard(source, kind, data_path, 0, 1, rank, world_size)
+        self._stream = Shard(source, kind, data_path, 0, 1, rank, world_size).stream
         self._sync: Iterator[Any] | None = None
         self._async: Any = None
         self._done = False

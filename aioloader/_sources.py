@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch.utils.data
@@ -95,35 +95,6 @@ def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int
     if not manual_workers and num_workers > 1:
         index, count = index * num_workers + worker, count * num_workers
     return index, count
-
-
-def shard(stream: Iterable[Any], index: int, count: int) -> Iterator[Any]:
-    it = iter(stream)
-    if count == 1:
-        return it
-    import itertools
-
-    return itertools.islice(it, index, None, count)
-
-
-async def ashard(stream: AsyncIterable[Any], index: int, count: int) -> AsyncIterator[Any]:
-    pos = 0
-    async for item in stream:
-        if pos % count == index:
-            yield item
-        pos += 1
-
-
-def open_shard(source: Any, kind: Kind, data_path: Any, worker: int, num_workers: int,
-               rank: int, world_size: int) -> Iterable[Any] | AsyncIterable[Any]:
-    """One pass over this process's shard of a streaming source (sync or async, as it is)."""
-    stream = open_pass(source, kind, data_path)
-    index, count = shard_spec(source, kind, worker, num_workers, rank, world_size)
-    if count == 1:
-        return stream
-    if is_async(stream):
-        return ashard(stream, index, count)  # type: ignore[arg-type]
-    return shard(stream, index, count)  # type: ignore[arg-type]
 
 
 async def as_async(stream: Iterable[Any]) -> AsyncIterator[Any]:
