@@ -371,3 +371,10 @@ def leak_check(deadline: float = 10.0, include_helpers: bool = False) -> Iterato
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         raise
+
+
+# -- local servers: an HTTP object store with fault injection, and moto S3 ---------------
+
+from ._servers import ObjectServer, S3Server, expected_object, object_server, s3_server  # noqa: E402
+
+__all__ += ["ObjectServer", "S3Server", "expected_object", "object_server", "s3_server"]

@@ -1,5 +1,6 @@
 """Ready-made readers: ``DataLoader(JsonLinesReader(), "data/*.jsonl.gz", ...)``."""
 
+from ._fsspec import FsspecReader
 from ._jsonl import JsonLinesError, JsonLinesReader
 
-__all__ = ["JsonLinesError", "JsonLinesReader"]
+__all__ = ["FsspecReader", "JsonLinesError", "JsonLinesReader"]
