@@ -15,6 +15,7 @@ import torch
 import aioloader
 from aioloader.__main__ import main as cli_main
 from aioloader.bench._measure import percentile
+from aioloader.bench._peers import NODES, SPDL_PROCESS, SPDL_THREAD, STATEFUL
 from aioloader.bench._report import THROUGHPUT_METRICS
 from aioloader.bench._workloads import TextDataset, torch_pad_collate
 from aioloader.testing import members
@@ -87,6 +88,39 @@ def test_quick_tiny_json_holds_runs_and_summary(
     assert {"batches_per_s", "ttfb_ms", "stall_ms", "cpu_ms_per_batch"} <= metrics
     for row in tiny["summary"]:
         assert {"aioloader", "torch", "ratio", "ratio_min", "ratio_max"} <= set(row)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and reads /proc")
+def test_quick_peers_add_a_column_each_and_the_best_peer_ratio() -> None:
+    pytest.importorskip("PIL", reason="the decode workload needs Pillow")
+    expected = []
+    if _installed("spdl.pipeline"):
+        expected += [SPDL_THREAD, SPDL_PROCESS]
+    if _installed("torchdata.nodes"):
+        expected += [STATEFUL, NODES]
+    if not expected:
+        pytest.skip("no peer installed (spdl, torchdata)")
+    done = _run_cli("bench", "--quick", "--peers", "--workloads", "image-alloc,decode")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("workload"))
+    assert header.split()[:4 + len(expected)] == ["workload", "metric", "aioloader", "torch",
+                                                  *expected]
+    assert header.endswith("aioloader / best peer")
+    for workload in ("image-alloc", "decode"):
+        row = next(line for line in lines if line.startswith(workload) and "batches/s" in line)
+        figures = row.split("batches/s", 1)[1].split()
+        for figure in figures[:2 + len(expected)]:  # aioloader, torch, each peer
+            assert float(figure) > 0, row
+        assert figures[-1].strip("()") in ("torch", *expected), row  # the best peer, named
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
 
 
 def test_unknown_workload_exits_2_with_a_clear_error() -> None:

@@ -9,12 +9,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _resume
+from . import _peers, _resume
 from ._measure import Result, Spec
 from ._report import Row, Target, machine_lines, summarise, table, target_lines, targets
 from ._resume import RESUME, ResumePlan
 from ._runner import MeasurementError, Plan, default_batches, isolated, run_workload
-from ._workloads import ALL
+from ._workloads import ALL, pillow_missing
 
 DEFAULT_WORKLOADS = ALL
 CHOICES = (*ALL, RESUME)  # resume measures something else: only when asked for
@@ -75,6 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="event loop for the async runs (default asyncio)")
     parser.add_argument("--timeout", type=_at_least(1), default=300,
                         help="seconds one measurement may take before it is killed")
+    parser.add_argument("--peers", action="store_true",
+                        help="also run, in the same rounds, the peers that are installed: "
+                        f"{', '.join(_peers.PEERS)} (SPDL pipelines on threads and on a "
+                        "process pool; torchdata's StatefulDataLoader and a torchdata.nodes "
+                        "pipeline); adds their columns and aioloader / best peer")
+    parser.add_argument("--collate", choices=("none", "torch"), default="none",
+                        help="'torch': pass collate_fn=torch.utils.data.default_collate "
+                        "explicitly to every loader, where the workload has no collate of its "
+                        "own (default none: each loader's default)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing")
@@ -112,24 +121,34 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.batches is not None:
         batches = dict.fromkeys(batches, args.batches)
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 3)
+    peers, notes = _peers.available(args.num_workers) if args.peers else ((), [])
+    workloads = args.workloads
+    if "decode" in workloads and (missing := pillow_missing()) is not None:
+        notes.append(f"decode: skipped, {missing}")
+        workloads = tuple(w for w in workloads if w != "decode")
     plan = Plan(num_workers=args.num_workers, start_method=args.start_method, pairs=pairs,
-                batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout))
+                batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout),
+                peers=peers, collate=args.collate)
     started = time.monotonic()
-    per_epoch = ", ".join(f"{w}={batches[w]}" for w in args.workloads if w != RESUME)
+    per_epoch = ", ".join(f"{w}={batches[w]}" for w in workloads if w != RESUME)
     header = (f"aioloader bench: num_workers={plan.num_workers}, "
               f"start_method={plan.start_method}, face={plan.face}, loop={plan.loop}, "
-              f"pairs={plan.pairs}" + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
+              f"pairs={plan.pairs}, collate={plan.collate}"
+              + (f", peers: {', '.join(peers)}" if args.peers else "")
+              + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
         machine = isolated(Spec(kind="refs", loop=plan.loop), plan.timeout)
     except MeasurementError as exc:
         print(f"aioloader bench: {exc}", file=sys.stderr)
         return 1
     print(machine_lines(machine, header), flush=True)
+    for note in notes:
+        print(f"note: {note}", flush=True)
 
     failed = False
     rows: list[Row] = []
     raw: dict[str, Any] = {}
-    throughput = [w for w in args.workloads if w != RESUME]
+    throughput = [w for w in workloads if w != RESUME]
     for workload in throughput:
         t0 = time.monotonic()
         try:
@@ -162,7 +181,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         document = {
             "config": {"num_workers": plan.num_workers, "start_method": plan.start_method,
                        "pairs": plan.pairs, "batches": plan.batches, "face": plan.face,
-                       "loop": plan.loop, "workloads": list(args.workloads)},
+                       "loop": plan.loop, "workloads": list(args.workloads),
+                       "peers": list(plan.peers), "collate": plan.collate},
             "machine": machine,
             "workloads": raw,
             "targets": [t.__dict__ for t in found],

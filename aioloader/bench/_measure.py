@@ -11,7 +11,7 @@ import platform
 import resource
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -20,7 +20,8 @@ import torch.utils.data
 
 import aioloader
 
-from ._workloads import WORKLOADS, Workload, lag_workload
+from ._peers import Setup, open_loader, torch_loader
+from ._workloads import WORKLOADS, CollateChoice, Workload, lag_workload
 
 T = TypeVar("T")
 Result = dict[str, Any]
@@ -35,9 +36,9 @@ EPOCHS = 2  # throughput runs span an epoch boundary
 class Spec:
     """What one isolated run measures.
 
-    ``side`` is "aioloader" or "torch"; for the loop-lag runs also "torch-direct" (torch's
-    iterator driven inside the loop) or "torch-executor" (``loop.run_in_executor(None, next,
-    it)``).
+    ``side`` is "aioloader", "torch" or one of ``_peers.PEERS``; for the loop-lag runs also
+    "torch-direct" (torch's iterator driven inside the loop) or "torch-executor"
+    (``loop.run_in_executor(None, next, it)``).
     """
 
     kind: Kind
@@ -48,6 +49,7 @@ class Spec:
     batches: int = 10  # per epoch
     face: Face = "async"
     loop: LoopName = "asyncio"
+    collate: CollateChoice = "none"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -115,8 +117,8 @@ def _throughput(spec: Spec) -> Result:
     dataset = workload.dataset(spec.batches * workload.batch_size)
     gc.collect()
     rss = _PeakRss()
-    if spec.side == "torch":
-        clock = _torch_epochs(spec, workload, dataset)
+    if spec.side != "aioloader":
+        clock = _peer_epochs(spec, workload, dataset)
     elif spec.face == "sync":
         clock = _aio_sync_epochs(spec, workload, dataset)
     else:
@@ -124,27 +126,27 @@ def _throughput(spec: Spec) -> Result:
     return {**clock.figures(), "peak_rss_mb": rss.growth_mb()}
 
 
-def _torch_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
+def _peer_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
     clock = _Clock()
-    loader = torch_loader(spec, workload, dataset)
-    for _ in range(EPOCHS):
-        for batch in loader:
-            clock.arrived(batch)
-        clock.epoch_end()
-    del loader  # its persistent workers stop with their iterator
-    gc.collect()
+    with open_loader(spec.side, dataset, peer_setup(spec, workload)) as loader:
+        _epochs(clock, loader)
+        del loader  # torch's persistent workers stop with the loader's last reference
     return clock
 
 
 def _aio_sync_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
     clock = _Clock()
     with aio_loader(spec, workload, dataset) as loader:
-        for _ in range(EPOCHS):
-            for batch in loader:
-                clock.arrived(batch)
-            clock.epoch_end()
+        _epochs(clock, loader)
         clock.data_stall = loader.stats().data_stall
     return clock
+
+
+def _epochs(clock: _Clock, loader: Iterable[Any]) -> None:
+    for _ in range(EPOCHS):
+        for batch in loader:
+            clock.arrived(batch)
+        clock.epoch_end()
 
 
 async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
@@ -159,17 +161,17 @@ async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Cl
 
 
 def aio_loader(spec: Spec, workload: Workload, dataset: Any) -> aioloader.DataLoader:
+    collate, _ = workload.collates(spec.collate)
     return aioloader.DataLoader(
         dataset, batch_size=workload.batch_size, num_workers=spec.num_workers,
-        start_method=spec.start_method, collate_fn=workload.aio_collate, quiet=True, seed=0)
+        start_method=spec.start_method, collate_fn=collate, quiet=True, seed=0)
 
 
-def torch_loader(spec: Spec, workload: Workload, dataset: Any) -> torch.utils.data.DataLoader[Any]:
-    workers = spec.num_workers
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=workload.batch_size, num_workers=workers,
-        collate_fn=workload.torch_collate, persistent_workers=workers > 0,
-        multiprocessing_context=spec.start_method if workers > 0 else None)
+def peer_setup(spec: Spec, workload: Workload) -> Setup:
+    """What torch and the other peers get: the same workers, batches and start method."""
+    _, collate = workload.collates(spec.collate)
+    return Setup(batch_size=workload.batch_size, num_workers=spec.num_workers,
+                 start_method=spec.start_method, collate=collate)
 
 
 # ------------------------------------------------------------------------------ loop lag
@@ -188,14 +190,14 @@ async def _loop_lag(spec: Spec) -> Result:
                 async for batch in loader:
                     clock.arrived(batch)
         elif spec.side == "torch-direct":
-            torch_direct = torch_loader(spec, workload, dataset)
+            torch_direct = torch_loader(dataset, peer_setup(spec, workload))
             for batch in torch_direct:
                 clock.arrived(batch)
                 await asyncio.sleep(0)  # what people do: let other tasks run between batches
             del torch_direct
         elif spec.side == "torch-executor":
             loop = asyncio.get_running_loop()
-            torch_exec = torch_loader(spec, workload, dataset)
+            torch_exec = torch_loader(dataset, peer_setup(spec, workload))
             it = iter(torch_exec)
             while (batch := await loop.run_in_executor(None, next, it, None)) is not None:
                 clock.arrived(batch)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._measure import Result
+from ._peers import PEERS
 from ._runner import LAG_SIDES, ZERO
 from ._workloads import LAG
 
@@ -23,6 +24,7 @@ THROUGHPUT_METRICS = (
     # does no work, so it is near 100 %: the loader is the bottleneck by design here.
     ("data_stall_pct", "data stall %"),
 )
+HIGHER_IS_BETTER = {"batches_per_s", "mb_per_s"}  # the others: lower is better
 LAG_METRICS = (
     ("lag_p50_ms", "lag p50 ms"),
     ("lag_p99_ms", "lag p99 ms"),
@@ -33,7 +35,11 @@ LAG_METRICS = (
 
 @dataclass(frozen=True)
 class Row:
-    """One metric of one workload: medians of both sides, and aioloader/torch over pairs."""
+    """One metric of one workload: medians of each side, and aioloader/torch over pairs.
+
+    With ``--peers``, also each peer's median, and aioloader over the best of torch and the
+    peers (by median) for this metric, over pairs.
+    """
 
     workload: str
     metric: str
@@ -44,10 +50,18 @@ class Row:
     ratio_min: float
     ratio_max: float
     against: str  # the side in the torch column
+    peers: dict[str, float] = field(default_factory=dict)
+    best_peer: str = ""  # "" when no peer ran or none has a figure
+    best_ratio: float = math.nan
 
     def as_json(self) -> dict[str, Any]:
-        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
-                for k, v in self.__dict__.items()}
+        return {k: _none_for_nan(v) for k, v in self.__dict__.items()}
+
+
+def _none_for_nan(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _none_for_nan(v) for k, v in value.items()}
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 @dataclass(frozen=True)
@@ -68,13 +82,31 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(kept) if kept else math.nan
 
 
+def _ratios(ours: Sequence[Result], theirs: Sequence[Result], metric: str) -> list[float]:
+    """ours/theirs of each pair, where both have a figure."""
+    pairs = zip(_values(ours, metric), _values(theirs, metric), strict=False)
+    return [x / y for x, y in pairs if y > 0 and not math.isnan(x)]
+
+
 def _row(workload: str, metric: str, label: str, ours: Sequence[Result],
-         theirs: Sequence[Result], against: str) -> Row:
-    a, b = _values(ours, metric), _values(theirs, metric)
-    ratios = [x / y if y > 0 else math.nan for x, y in zip(a, b, strict=False)]
-    kept = [r for r in ratios if not math.isnan(r)]
-    return Row(workload, metric, label, median(a), median(b), median(kept),
-               min(kept, default=math.nan), max(kept, default=math.nan), against)
+         theirs: Sequence[Result], against: str,
+         peers: Mapping[str, Sequence[Result]] | None = None) -> Row:
+    kept = _ratios(ours, theirs, metric)
+    row = Row(workload, metric, label, median(_values(ours, metric)),
+              median(_values(theirs, metric)), median(kept), min(kept, default=math.nan),
+              max(kept, default=math.nan), against)
+    if not peers:
+        return row
+    medians = {side: median(_values(runs, metric)) for side, runs in peers.items()}
+    rivals = {side: m for side, m in [(against, row.torch), *medians.items()]
+              if not math.isnan(m)}
+    if not rivals:
+        return replace(row, peers=medians)
+    pick = max if metric in HIGHER_IS_BETTER else min
+    best = pick(rivals, key=rivals.__getitem__)
+    best_runs = theirs if best == against else peers[best]
+    return replace(row, peers=medians, best_peer=best,
+                   best_ratio=median(_ratios(ours, best_runs, metric)))
 
 
 def summarise(workload: str, runs: dict[str, list[Result]]) -> list[Row]:
@@ -84,7 +116,8 @@ def summarise(workload: str, runs: dict[str, list[Result]]) -> list[Row]:
         return [_row(workload, metric, f"{label} [{side.removeprefix('torch-')}]", ours,
                      runs[side], side)
                 for side in LAG_SIDES[1:] for metric, label in LAG_METRICS]
-    rows = [_row(workload, metric, label, runs["aioloader"], runs["torch"], "torch")
+    peers = {side: runs[side] for side in PEERS if side in runs}
+    rows = [_row(workload, metric, label, runs["aioloader"], runs["torch"], "torch", peers)
             for metric, label in THROUGHPUT_METRICS]
     if ZERO in runs:
         rows.insert(1, _row(workload, "batches_per_s", "batches/s @0 workers", runs[ZERO], [],
@@ -105,19 +138,26 @@ def _fmt(x: float) -> str:
 
 
 def table(rows: Sequence[Row]) -> str:
-    """The side-by-side table, plain text."""
-    head = ("workload", "metric", "aioloader", "torch", "ratio (min-max)")
+    """The side-by-side table, plain text: a column per peer that ran, when any did."""
+    peers = [p for p in PEERS if any(p in r.peers for r in rows)]
+    head = ("workload", "metric", "aioloader", "torch", *peers, "ratio (min-max)",
+            *(["aioloader / best peer"] if peers else []))
     cells = [(r.workload, r.label, _fmt(r.aioloader), _fmt(r.torch),
+              *(_fmt(r.peers.get(p, math.nan)) for p in peers),
               "-" if math.isnan(r.ratio)
-              else f"{_fmt(r.ratio)} ({_fmt(r.ratio_min)}-{_fmt(r.ratio_max)})")
+              else f"{_fmt(r.ratio)} ({_fmt(r.ratio_min)}-{_fmt(r.ratio_max)})",
+              *([f"{_fmt(r.best_ratio)} ({r.best_peer})" if r.best_peer else "-"]
+                if peers else []))
              for r in rows]
     widths = [max(len(c[i]) for c in [head, *cells]) for i in range(len(head))]
+    numeric = range(2, 4 + len(peers))  # right-aligned
     lines = []
     for k, c in enumerate([head, *cells]):
         if k > 1 and c[0] != cells[k - 2][0]:
             lines.append("")
-        lines.append(f"{c[0]:<{widths[0]}}  {c[1]:<{widths[1]}}  {c[2]:>{widths[2]}}  "
-                     f"{c[3]:>{widths[3]}}  {c[4]}".rstrip())
+        lines.append("  ".join(f"{v:>{w}}" if i in numeric else f"{v:<{w}}"
+                               for i, (v, w) in enumerate(zip(c, widths, strict=True))
+                               ).rstrip())
     return "\n".join(lines)
 
 

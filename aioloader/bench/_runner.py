@@ -16,7 +16,7 @@ from typing import Any
 
 from ..testing import members
 from ._measure import Face, LoopName, Result, Spec, measure
-from ._workloads import LAG, WORKLOADS
+from ._workloads import LAG, WORKLOADS, CollateChoice
 
 LAG_SIDES = ("aioloader", "torch-direct", "torch-executor")
 ZERO = "aioloader@0"  # aioloader with num_workers=0 (the tiny workload's extra reference)
@@ -37,6 +37,8 @@ class Plan:
     face: Face
     loop: LoopName
     timeout: float  # seconds one measurement may take
+    peers: tuple[str, ...] = ()  # of _peers.PEERS: measured too, in every pair
+    collate: CollateChoice = "none"
 
 
 def isolated(spec: Spec, timeout: float) -> Result:
@@ -156,19 +158,20 @@ def _describe(spec: Spec) -> str:
     return f"{spec.workload} / {spec.side} (num_workers={spec.num_workers})"
 
 
-def sides(workload: str, num_workers: int) -> tuple[str, ...]:
+def sides(workload: str, num_workers: int, peers: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The sides measured for ``workload``, in the order each pair runs them."""
     if workload == LAG:
         return LAG_SIDES
     if workload == "tiny" and num_workers > 0:
-        return ("aioloader", "torch", ZERO)
-    return ("aioloader", "torch")
+        return ("aioloader", "torch", ZERO, *peers)
+    return ("aioloader", "torch", *peers)
 
 
 def spec_for(plan: Plan, workload: str, side: str) -> Spec:
     base = Spec(kind="lag" if workload == LAG else "throughput", side=side, workload=workload,
                 num_workers=plan.num_workers, start_method=plan.start_method,
-                batches=plan.batches[workload], face=plan.face, loop=plan.loop)
+                batches=plan.batches[workload], face=plan.face, loop=plan.loop,
+                collate=plan.collate)
     if side == ZERO:
         return replace(base, side="aioloader", num_workers=0)
     return base
@@ -177,7 +180,8 @@ def spec_for(plan: Plan, workload: str, side: str) -> Spec:
 def run_workload(plan: Plan, workload: str,
                  on_run: Callable[[str, int], None] | None = None) -> dict[str, list[Result]]:
     """Every side of ``workload``, alternating (A B A B ...), ``plan.pairs`` times."""
-    runs: dict[str, list[Result]] = {side: [] for side in sides(workload, plan.num_workers)}
+    runs: dict[str, list[Result]] = {
+        side: [] for side in sides(workload, plan.num_workers, plan.peers)}
     for pair in range(plan.pairs):
         for side, results in runs.items():
             if on_run is not None:

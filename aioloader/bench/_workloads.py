@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import functools
+import io
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 import aioloader
 
 Sample = dict[str, Any]
 Collate = Callable[[list[Sample]], Any]
+CollateChoice = Literal["none", "torch"]
 
 TINY_LEN = 128
 IMAGE_SHAPE = (3, 224, 224)
 TEXT_MIN, TEXT_MAX = 16, 512
 CPU_SPIN = 5500  # iterations of _spin: about 1 ms of pure Python on a 2020s core
 POOL = 16  # distinct samples kept per process; __getitem__ returns views of them
+JPEGS = 64  # distinct JPEGs the decode workload cycles through, made once per process
+JPEG_QUALITY = 90
+NEEDS_PILLOW = "the decode workload needs Pillow: pip install pillow (or aioloader[bench])"
 
 
 @functools.cache
@@ -63,6 +69,63 @@ class ImageAllocDataset(_Sized):
 
     def __getitem__(self, i: int) -> Sample:
         return {"image": _pool("image")[i % POOL].clone(), "label": i}
+
+
+@functools.cache
+def _jpegs() -> tuple[bytes, ...]:
+    """``JPEGS`` photo-like 224x224 JPEGs (gradients, noise, shapes), the same in every process.
+
+    Made on first use in each process, so that the dataset itself pickles to nothing.
+    """
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError as exc:
+        raise ImportError(NEEDS_PILLOW) from exc
+    size = IMAGE_SHAPE[1:]
+    rng = random.Random(0)
+    linear, radial = Image.linear_gradient("L"), Image.radial_gradient("L").resize(size)
+    out = []
+    for _ in range(JPEGS):
+        # noise made at a quarter of the size and scaled up: texture, at a sixteenth the cost
+        noise = Image.effect_noise((size[0] // 4, size[1] // 4), rng.uniform(20, 60))
+        channels = [linear.rotate(rng.uniform(0, 360)).resize(size), radial,
+                    noise.resize(size, Image.Resampling.BILINEAR)]
+        rng.shuffle(channels)
+        image = Image.merge("RGB", channels)
+        draw = ImageDraw.Draw(image)
+        for _ in range(8):
+            x, y = rng.randrange(size[0]), rng.randrange(size[1])
+            r = rng.randrange(8, 64)
+            fill = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+            draw.ellipse((x - r, y - r, x + r, y + r), fill=fill)
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=JPEG_QUALITY)
+        out.append(buffer.getvalue())
+    return tuple(out)
+
+
+def pillow_missing() -> str | None:
+    """Why the decode workload cannot run here, or None."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        return NEEDS_PILLOW
+    return None
+
+
+class DecodeDataset(_Sized):
+    """JPEG bytes decoded with Pillow into uint8[3, 224, 224] (``pil_to_tensor``'s layout):
+    a real dataset's decode cost, a new tensor per sample."""
+
+    def __getitem__(self, i: int) -> Sample:
+        from PIL import Image  # present: _jpegs() said so on first use
+
+        data = _jpegs()[i % JPEGS]
+        with Image.open(io.BytesIO(data)) as image:
+            rgb = image.convert("RGB")
+        height, width = IMAGE_SHAPE[1:]
+        pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+        return {"image": pixels.view(height, width, 3).permute(2, 0, 1), "label": i}
 
 
 def text_length(i: int) -> int:
@@ -113,12 +176,23 @@ class Workload:
     aio_collate: Collate | None = None
     torch_collate: Collate | None = None
 
+    def collates(self, choice: CollateChoice) -> tuple[Collate | None, Collate | None]:
+        """aioloader's and the peers' collate; None leaves each loader its own default.
+
+        ``choice="torch"`` passes ``torch.utils.data.default_collate`` explicitly wherever the
+        workload has no collate of its own, as many users do.
+        """
+        if choice == "torch":
+            return (self.aio_collate or default_collate, self.torch_collate or default_collate)
+        return self.aio_collate, self.torch_collate
+
 
 WORKLOADS: dict[str, Workload] = {
     "tiny": Workload("tiny", TinyDataset, 64, 300),
     "image": Workload("image", ImageDataset, 64, 40),
     "image-alloc": Workload("image-alloc", ImageAllocDataset, 64, 40),
     "text": Workload("text", TextDataset, 32, 150, aioloader.PadCollate(), torch_pad_collate),
+    "decode": Workload("decode", DecodeDataset, 64, 40),
     "cpu": Workload("cpu", CpuDataset, 32, 25),
 }
 LAG = "loop-lag"  # streams the image workload while a 1 ms ticker runs in the loop
