@@ -10,6 +10,7 @@ from ._errors import (
     FrameTooLargeError,
     LoaderBusyError,
     LoaderClosedError,
+    LoadError,
     LoaderTimeoutError,
     ResumeError,
     ResumeWarning,
@@ -19,6 +20,7 @@ from ._errors import (
 )
 from ._info import WorkerInfo, get_worker_info
 from ._loader import DataLoader
+from ._loads import Retry, SkippedLoad
 from ._samplers import BatchSampler, BucketBatchSampler
 from ._sources import Reader
 from ._stats import ArenaStats, LoaderStats, WorkerStats
@@ -30,6 +32,7 @@ __all__ = [
     "BucketBatchSampler",
     "DataLoader",
     "FrameTooLargeError",
+    "LoadError",
     "LoaderBusyError",
     "LoaderClosedError",
     "LoaderStats",
@@ -38,6 +41,8 @@ __all__ = [
     "Reader",
     "ResumeError",
     "ResumeWarning",
+    "Retry",
+    "SkippedLoad",
     "SourcePicklingError",
     "SyncLoader",
     "WorkerDied",

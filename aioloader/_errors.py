@@ -22,7 +22,7 @@ class WorkerError(Exception):
         return (_rebuild, (type(self), self.args[0], self.__dict__))
 
 
-def _rebuild(cls: type[WorkerError], message: str, state: dict[str, object]) -> WorkerError:
+def _rebuild(cls: type[Exception], message: str, state: dict[str, object]) -> Exception:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
@@ -101,3 +101,24 @@ class ResumeError(ValueError):
 class ResumeWarning(UserWarning):
     """Resuming costs more than it could: a source without a state of its own is read again
     up to the position and the instances before it are dropped."""
+
+
+class LoadError(Exception):
+    """Loading one key failed, after its retries (the load stage, issue 11).
+
+    ``key``: the key; ``worker_id``: the worker that loaded it (None: the main process);
+    ``attempts``: how many times it was tried. The original error is the ``__cause__``.
+    """
+
+    def __init__(self, key: object, worker_id: int | None, attempts: int,
+                 cause: BaseException | None = None, *, note: str = "") -> None:
+        where = "the main process" if worker_id is None else f"worker {worker_id}"
+        super().__init__(
+            f"loading key {key!r} failed in {where} after {attempts} attempt(s): {cause!r}"
+            + (f"; {note}" if note else ""))
+        self.key = key
+        self.worker_id = worker_id
+        self.attempts = attempts
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], self.__dict__))

@@ -16,6 +16,7 @@ from ._device import DeviceLike, as_device
 from ._distributed import all_reduce, topology
 from ._epoch import Epoch, backstop
 from ._errors import LoaderBusyError, ResumeError, ResumeWarning
+from ._loads import Retry, SkipLog, SkippedLoad, load_options
 from ._pipeline import BatchOptions
 from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
 from ._position import StreamPosition, is_stateful
@@ -92,6 +93,11 @@ class DataLoader:
         max_batches_per_worker: int | None = None,
         max_worker_rss: int | None = None,
         log_every: float | None = None,
+        load_fn: Callable[[Any], Any] | None = None,
+        concurrency: int | None = None,
+        ordered: bool = True,
+        retries: int | Retry = 0,
+        on_error: str = "raise",
     ) -> None:
         _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
                   batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
@@ -104,6 +110,16 @@ class DataLoader:
                                       or value < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         self._kind = classify(reader)
+        self._loads = load_options(reader, self._kind, load_fn=load_fn,
+                                   concurrency=concurrency, ordered=ordered, retries=retries,
+                                   on_error=on_error)
+        if self._loads is not None and not self._loads.ordered and (
+                max_worker_restarts or max_batches_per_worker or max_worker_rss):
+            raise ValueError(
+                "ordered=False cannot be combined with max_worker_restarts, "
+                "max_batches_per_worker or max_worker_rss: a replacement worker goes on from "
+                "a position in the keys, and loads that finish out of order have none. Use "
+                "ordered=True (loads still overlap; only the hand-over order is kept)")
         if self._kind is not Kind.MAP and batch_sampler is not None and not isinstance(
                 batch_sampler, BatchSampler):
             raise ValueError(
@@ -130,7 +146,13 @@ class DataLoader:
         self.max_worker_restarts = max_worker_restarts
         self.max_batches_per_worker = max_batches_per_worker
         self.max_worker_rss = max_worker_rss
+        self.load_fn = load_fn
+        self.concurrency = self._loads.concurrency if self._loads is not None else None
+        self.ordered = ordered
+        self.retries = retries
+        self.on_error = on_error
         self._budget = RestartBudget(max_worker_restarts)  # across sessions: per loader
+        self._skips = SkipLog()  # across sessions: per loader
         self.log_every = log_every
         self._meter = Meter()
         self._next_log = 0.0
@@ -167,10 +189,19 @@ class DataLoader:
         self._setup = Setup(
             source=self.reader, kind=self._kind, data_path=self.data_path,
             options=self._options, collate_fn=self.collate_fn, num_workers=self.num_workers,
-            start_method=self.start_method, prefetch=self.prefetch, zero_copy=self.zero_copy,
+            start_method=self.start_method, prefetch=self._prefetch(), zero_copy=self.zero_copy,
             seed=seed, rank=self._topo.rank, world_size=self._topo.world_size,
             timed=self.timeout is not None, budget=self._budget,
-            max_batches=self.max_batches_per_worker, max_rss=self.max_worker_rss)
+            max_batches=self.max_batches_per_worker, max_rss=self.max_worker_rss,
+            loads=self._loads, skips=self._skips)
+
+    def _prefetch(self) -> int:
+        """Batches in flight per worker (its slots): with a load stage, enough index
+        batches that ``concurrency`` loads can be in flight across them."""
+        if self._loads is None or self._kind is not Kind.MAP:
+            return self.prefetch
+        size = self.batch_size or 1
+        return max(self.prefetch, -(-self._loads.concurrency // size) + 1)
 
     # ------------------------------------------------------------------ public
 
@@ -222,7 +253,14 @@ class DataLoader:
             batches=meter.batches, bytes=meter.bytes, wait_s=meter.wait, wall_s=wall,
             data_stall=meter.wait / wall if wall > 0 else 0.0,
             time_to_first_batch_s=meter.first, workers=workers, arena=arena,
-            restarts=self._budget.restarts, recycles=self._budget.recycles)
+            restarts=self._budget.restarts, recycles=self._budget.recycles,
+            skipped=len(self._skips.skipped))
+
+    @property
+    def skipped(self) -> list[SkippedLoad]:
+        """The keys whose load failed and was skipped (``on_error="skip"``), in the order
+        they were reported, across epochs: key, worker, attempts and the last error."""
+        return list(self._skips.skipped)
 
     @property
     def sampler(self) -> EpochSetter:
@@ -245,6 +283,11 @@ class DataLoader:
             >>> [b.tolist() for b in again]
             [[4, 5, 6, 7], [8, 9]]
         """
+        if self._loads is not None and not self._loads.ordered and self._kind is not Kind.MAP:
+            raise ResumeError(
+                "state_dict() with ordered=False: loads finish out of order, so no position "
+                "in the keys says what was delivered. Use ordered=True to checkpoint (loads "
+                "still overlap)")
         with self._lock:
             cursor = self._cursor
         cache = self._cache
@@ -272,7 +315,7 @@ class DataLoader:
         self._next_pass = point.pass_no
         self._cursor = Cursor(point.pass_no, point.in_pass, point.in_epoch,
                               carried=point.in_epoch)
-        if point.stream is not None and not is_stateful(self.reader):
+        if point.stream is not None and not is_stateful(self.reader) and self._loads is None:
             skipped = sum(p.start.raw for p in point.stream.shards)
             if skipped:
                 warnings.warn(
@@ -482,6 +525,10 @@ class DataLoader:
     async def _read_pass(self) -> AsyncIterator[list[Any]]:
         """One pass of instances, in chunks: in this process, or through workers (sharded)."""
         session = Session(self._setup.instances(self._next_pass))
+        with self._lock:  # a close() while the cache fills must reach this session
+            held = self._box.session is None
+            if held:
+                self._box.session = session
         try:
             await session.start()
             session.attach()
@@ -491,6 +538,9 @@ class DataLoader:
                     return
                 yield step.value
         finally:
+            with self._lock:
+                if held and self._box.session is session:
+                    self._box.session = None
             await session.aclose()
 
 

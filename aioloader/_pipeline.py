@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._collate import default_collate
+from ._loads import SkippedLoad
 from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
 from ._samplers import Batcher, BatchSampler, Group
 
@@ -47,6 +48,11 @@ class ShardPass:
 
     def feed(self, instance: Any) -> list[tuple[list[Any], Mark]]:
         self.taken += 1
+        if isinstance(instance, SkippedLoad):  # its key counts; nothing to batch
+            if self.batcher.filled == 0:  # the next block starts after it
+                self.starts[self.batcher.block] = self.shard.mark(self.batcher.block,
+                                                                  self.taken)
+            return []
         groups = self.batcher.feed(instance)
         if self.batcher.filled == 0:  # a block just closed: the next one starts here
             self.starts[self.batcher.block] = self.shard.mark(self.batcher.block, self.taken)

@@ -94,10 +94,12 @@ class Shard:
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, worker: int,
                  num_workers: int, rank: int, world_size: int,
-                 start: BlockStart = PASS_START) -> None:
+                 start: BlockStart = PASS_START, *, keys: bool = False) -> None:
         self.index, self.count = shard_spec(source, kind, worker, num_workers, rank,
                                             world_size)
-        self._stateful = source if is_stateful(source) else None
+        # A stream of keys (a load stage follows) runs ahead of the instances loaded: the
+        # source's own state would be ahead too. Keys are cheap to skip; raw counts suffice.
+        self._stateful = source if is_stateful(source) and not keys else None
         self.base = start.raw
         self.first = self.base + (self.index - self.base) % self.count  # first raw kept
         skip = self.base

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import ResumeError
+from ._loads import ALL_SKIPPED, SkippedLoad
 from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ._session import PassDone, Step
 from ._sources import shard_spec
@@ -231,6 +232,8 @@ class WorkerIndex(_OnWorkers):
         if not isinstance(got, Delivered) or got.seq != head.seq:
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
                                  f"got {got!r}")
+        if got.mark == ALL_SKIPPED:  # every key of it failed and was skipped (reported)
+            return await self.next()
         return got
 
     def behind(self) -> str:
@@ -283,8 +286,8 @@ class WorkerInstances(_OnWorkers):
             self._waiting = None
             if isinstance(got, Ended):
                 self._live.remove(w)
-            else:
-                self._bufs[w].extend(got.value)
+            else:  # keys skipped on error count for the position, and go no further
+                self._bufs[w].extend(x for x in got.value if not isinstance(x, SkippedLoad))
                 self._taken[w] += len(got.value)
         if out:
             return Delivered(out)

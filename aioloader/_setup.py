@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._loads import LoadOptions, SkipLog
 from ._local import LocalIndex, LocalInstances, LocalStream
 from ._pipeline import BatchOptions
 from ._position import ShardPosition, StreamPosition
@@ -42,6 +43,8 @@ class Setup:
     budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
     max_batches: int | None = None  # max_batches_per_worker
     max_rss: int | None = None  # max_worker_rss
+    loads: LoadOptions | None = None  # the load stage (issue 11): the source yields keys
+    skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
@@ -54,9 +57,10 @@ class Setup:
             progress=self.timed, starts=starts,
             # A cache-filling pass is read once: recycling is for the epochs' workers.
             max_batches=self.max_batches if role != "instances" else None,
-            max_rss=self.max_rss if role != "instances" else None)
+            max_rss=self.max_rss if role != "instances" else None,
+            loads=self._loads_of(source))
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
-                          budget=self.budget)
+                          budget=self.budget, skips=self.skips)
 
     @property
     def shards(self) -> int:
@@ -69,7 +73,8 @@ class Setup:
         if self.num_workers == 0:
             return LocalStream(self.source, self.kind, self.data_path, self.options,
                                self.collate_fn, seed_for, start.shards[0], self.rank,
-                               self.world_size, timed=self.timed, produced=start.produced)
+                               self.world_size, timed=self.timed, produced=start.produced,
+                               loads=self.loads, skips=self.skips)
         first_pass = min(p.pass_no for p in start.shards)
         sup = self._supervisor("stream", self.source, self.kind, first_pass, start.shards)
         return WorkerStream(sup, start)
@@ -80,7 +85,8 @@ class Setup:
         ``skip``: batches of the first pass already delivered (a resume)."""
         if self.num_workers == 0:
             return LocalIndex(data, plan, first_pass, self.collate_fn, timed=self.timed,
-                              skip=skip)
+                              skip=skip, loads=self._loads_of(data), skips=self.skips,
+                              ahead=self.prefetch)
         return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
                            first_pass, self.prefetch, plan_ahead=plan_ahead, skip=skip)
 
@@ -88,5 +94,11 @@ class Setup:
         """One pass of a streaming source's instances, in chunks (to fill a cache)."""
         if self.num_workers == 0:
             return LocalInstances(self.source, self.kind, self.data_path, self.rank,
-                                  self.world_size, timed=self.timed)
+                                  self.world_size, timed=self.timed, loads=self.loads,
+                                  skips=self.skips)
         return WorkerInstances(self._supervisor("instances", self.source, self.kind, pass_no))
+
+    def _loads_of(self, data: Any) -> LoadOptions | None:
+        """The load stage for ``data``: the source's; none for a cache of instances (they
+        were loaded when the cache filled)."""
+        return self.loads if data is self.source else None

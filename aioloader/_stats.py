@@ -57,6 +57,7 @@ class LoaderStats:
     arena: ArenaStats
     restarts: int
     recycles: int
+    skipped: int = 0  # keys skipped on error (on_error="skip"): loader.skipped
 
     def __str__(self) -> str:
         first = ("-" if self.time_to_first_batch_s is None

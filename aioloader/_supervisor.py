@@ -40,6 +40,7 @@ from ._errors import (
     WorkerError,
     describe_exit,
 )
+from ._loads import SkipLog, SkippedLoad
 from ._position import ShardPosition
 from ._stats import ArenaStats, WorkerStats
 from ._worker import WorkerSpec, worker_main
@@ -160,12 +161,14 @@ class Supervisor:
     """Starts ``num_workers`` processes for ``spec`` and moves messages to and from them."""
 
     def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
-                 lease: bool = True, budget: RestartBudget | None = None) -> None:
+                 lease: bool = True, budget: RestartBudget | None = None,
+                 skips: SkipLog | None = None) -> None:
         self.spec = spec
         self.num_workers = num_workers
         self.start_method = start_method
         self.lease = lease
         self.budget = budget if budget is not None else RestartBudget()
+        self.skips = skips if skips is not None else SkipLog()  # on_error="skip"
         self.workers: list[WorkerState] = []
         self.failure: BaseException | None = None
         self.closed = False
@@ -396,6 +399,8 @@ class Supervisor:
             self._fail(_worker_error(w, msg))
         elif isinstance(msg, wire.Retiring):
             self._recycle(w, msg)
+        elif isinstance(msg, wire.Skipped):
+            self.skips.add(SkippedLoad(msg.key, w.id, msg.attempts, msg.error))
         # wire.Progress: hearing it (last_heard) is all it is for
 
     def _recycle(self, w: WorkerState, msg: wire.Retiring) -> None:

@@ -31,6 +31,7 @@ class Tag(enum.IntEnum):
     ARENA = 13
     PROGRESS = 14
     RETIRING = 15
+    SKIPPED = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +122,20 @@ class Retiring:
     position: Any
 
 
-Message = Release | Task | Batch | PassEnd | Failed | Arena | Progress | Retiring
-_TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (Release, Task, Batch, PassEnd,
-                                                         Failed, Arena, Progress, Retiring)}
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """With ``on_error="skip"``, the load of ``key`` failed ``attempts`` times; ``error``:
+    the last error's repr. ``key`` is the key itself when it is plain data, else its repr."""
+
+    TAG: ClassVar[Tag] = Tag.SKIPPED
+    key: Any
+    attempts: int
+    error: str
+
+
+Message = Release | Task | Batch | PassEnd | Failed | Arena | Progress | Retiring | Skipped
+_TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (
+    Release, Task, Batch, PassEnd, Failed, Arena, Progress, Retiring, Skipped)}
 
 
 def encode(msg: Message) -> bytes:

@@ -33,6 +33,7 @@ from ._codec import encode, tensors_nbytes
 from ._collate import use_allocator
 from ._dataplane import SlotPool
 from ._info import WorkerInfo, set_worker_info
+from ._loads import ALL_SKIPPED, LoadOptions, LoadStage
 from ._pipeline import BatchOptions, ShardPass, collate_with
 from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
 from ._samplers import derive_seed
@@ -66,6 +67,7 @@ class WorkerSpec:
     starts: tuple[ShardPosition, ...] | None = None  # per worker: where a resumed stream starts
     max_batches: int | None = None  # retire after this many batches (max_batches_per_worker)
     max_rss: int | None = None  # retire past this resident size, in bytes (max_worker_rss)
+    loads: LoadOptions | None = None  # the source yields keys; this stage loads them
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
@@ -134,7 +136,8 @@ class _Channel:
         self.eof = False
         self.last_sent = self.started = time.monotonic()
         self.idle = 0.0  # seconds spent waiting for a slot or a task (telemetry: busy share)
-        self._wake: asyncio.Future[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []  # a load stage has several
+        self.on_eof: Callable[[], object] | None = None
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._on_readable)
 
@@ -152,14 +155,18 @@ class _Channel:
         if not data:
             self.eof = True
             self.loop.remove_reader(self.sock.fileno())
+            if self.on_eof is not None:
+                self.on_eof()
         else:
             for msg in self.frames.feed(data):
                 if isinstance(msg, wire.Release):
                     self.pool.returned(msg.slot)
                 elif isinstance(msg, wire.Task):
                     self.tasks.append(msg)
-        if self._wake is not None and not self._wake.done():
-            self._wake.set_result(None)
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     async def _until(self, ready: Callable[[], bool]) -> bool:
         """Wait for ``ready()``; False when the parent went away first."""
@@ -170,8 +177,9 @@ class _Channel:
             while not ready():
                 if self.eof:
                     return False
-                self._wake = self.loop.create_future()
-                await self._wake
+                fut = self.loop.create_future()
+                self._waiters.append(fut)
+                await fut
             return True
         finally:
             self.idle += time.monotonic() - began
@@ -229,7 +237,8 @@ class _Channel:
         finally:
             self.loop.remove_writer(fd)
 
-    async def emit(self, seq: int, make: Callable[[], Any], mark: Mark | None = None) -> bool:
+    async def emit(self, seq: int, make: Callable[[], Any],
+                   mark: Mark | str | None = None) -> bool:
         """Build one message body in a free slot with ``make()`` and send it.
 
         The collate writes straight into the slot (its allocator); whatever it made
@@ -288,12 +297,27 @@ async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
     set_worker_info(info, dataset=spec.source)
     _seed_everything(info.seed)
     try:
-        if spec.plan == "index":
-            await _run_index(spec, chan)
-        else:
-            await _run_stream(spec, chan)
+        async with contextlib.AsyncExitStack() as stack:
+            stage = None
+            if spec.loads is not None:
+                # Loads in flight wait on the network, not on us: EOF (a close) cancels
+                # them at once, rather than after the parent's grace period.
+                serving = asyncio.current_task()
+                assert serving is not None
+                chan.on_eof = serving.cancel
+                stage = await stack.enter_async_context(LoadStage(
+                    spec.source, spec.loads, worker=spec.worker_id,
+                    report=lambda s: chan.send(wire.Skipped(_plain(s.key), s.attempts,
+                                                            s.error))))
+            if spec.plan == "index":
+                await _run_index(spec, chan, stage)
+            else:
+                await _run_stream(spec, chan, stage)
     except _ParentGone:
         pass
+    except asyncio.CancelledError:
+        if not chan.eof:
+            raise
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we exit
         if chan.eof:
             return
@@ -333,13 +357,26 @@ def _collate(spec: WorkerSpec, group: list[Any]) -> Callable[[], Any]:
     return lambda: collate(group)
 
 
-async def _instances(spec: WorkerSpec, chan: _Channel,
-                     stream: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
-    agen = stream if is_async(stream) else as_async(stream)  # type: ignore[arg-type]
-    async for item in agen:  # type: ignore[union-attr]
-        if spec.progress:
-            chan.progress()
-        yield item
+def _plain(key: Any) -> Any:
+    """A key as the wire carries it: itself when it is plain data, else its repr."""
+    return key if isinstance(key, (str, int, float, bool, bytes, type(None))) else repr(key)
+
+
+async def _instances(spec: WorkerSpec, chan: _Channel, stream: Iterable[Any] | AsyncIterable[Any],
+                     stage: LoadStage | None) -> AsyncIterator[Any]:
+    """The shard's instances; with a load stage, its keys loaded (SkippedLoad markers for
+    keys skipped on error, so that positions still count them)."""
+    agen: AsyncIterator[Any] = stream if is_async(stream) else as_async(stream)  # type: ignore
+    if stage is not None:
+        agen = stage.stream(agen)
+    try:
+        async for item in agen:
+            if spec.progress:
+                chan.progress()
+            yield item
+    finally:
+        if stage is not None:
+            await agen.aclose()  # type: ignore[attr-defined]  # its loads in flight end
 
 
 class _Retirement:
@@ -381,7 +418,7 @@ def own_memory() -> int:
     return total
 
 
-async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
+async def _run_stream(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None) -> None:
     """Passes over this worker's shard, one after the other, until the parent stops us."""
     start: ShardPosition | None = spec.start()
     assert start is not None
@@ -394,15 +431,17 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel) -> None:
         _seed_everything(seed)
         sent = 0
         if spec.plan == "instances":
-            sent = await _send_instances(spec, chan, start.start if start else PASS_START)
+            sent = await _send_instances(spec, chan, start.start if start else PASS_START,
+                                         stage)
         else:
             shard = Shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
                           spec.num_workers, spec.rank, spec.world_size,
-                          start.start if start is not None else PASS_START)
+                          start.start if start is not None else PASS_START,
+                          keys=stage is not None)
             batcher = ShardPass(shard, spec.options, seed, start)
             start = None
             due = False
-            async for instance in _instances(spec, chan, shard.stream):
+            async for instance in _instances(spec, chan, shard.stream, stage):
                 for group, mark in batcher.feed(instance):
                     if not await chan.emit(sent, _collate(spec, group), mark):
                         return
@@ -436,12 +475,15 @@ async def _hand_over(chan: _Channel, position: ShardPosition | None) -> None:
     await chan._until(lambda: False)
 
 
-async def _send_instances(spec: WorkerSpec, chan: _Channel, start: BlockStart) -> int:
+async def _send_instances(spec: WorkerSpec, chan: _Channel, start: BlockStart,
+                          stage: LoadStage | None) -> int:
+    """One pass of instances, in chunks (a cache fills from them); a key skipped on error
+    goes as its SkippedLoad marker, so that the parent's count of keys stays right."""
     chunk: list[Any] = []
     sent = 0
     shard = Shard(spec.source, spec.kind, spec.data_path, spec.worker_id, spec.num_workers,
-                  spec.rank, spec.world_size, start)
-    async for inst in _instances(spec, chan, shard.stream):
+                  spec.rank, spec.world_size, start, keys=stage is not None)
+    async for inst in _instances(spec, chan, shard.stream, stage):
         chunk.append(inst)
         if len(chunk) >= INSTANCE_CHUNK:
             if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]
@@ -455,12 +497,15 @@ async def _send_instances(spec: WorkerSpec, chan: _Channel, start: BlockStart) -
     return sent
 
 
-async def _run_index(spec: WorkerSpec, chan: _Channel) -> None:
+async def _run_index(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None) -> None:
     """Fetch and collate the index batches the parent sends, in the order it sends them.
 
     A retiring worker says so and answers no more tasks: the parent gives the ones it did
     not answer to its successor, and closes this one once its batches are taken.
     """
+    if stage is not None:
+        await _run_index_loaded(spec, chan, stage)
+        return
     retire = _Retirement(spec)
     while True:
         task = await chan.task()
@@ -472,3 +517,48 @@ async def _run_index(spec: WorkerSpec, chan: _Channel) -> None:
         if retire.batch_done():
             await _hand_over(chan, None)
             return
+
+
+async def _run_index_loaded(spec: WorkerSpec, chan: _Channel, stage: LoadStage) -> None:
+    """:func:`_run_index` with a load stage: every task the parent sent starts its loads at
+    once (the stage's gate bounds them), so loads overlap across batches; batches still go
+    out in the order of the tasks."""
+    retire = _Retirement(spec)
+    fetches: collections.deque[tuple[wire.Task, asyncio.Task[list[Any]]]] = collections.deque()
+    more = asyncio.Event()  # a task arrived, or the parent went away
+
+    async def intake() -> None:
+        while True:
+            task = await chan.task()
+            if task is None:
+                more.set()
+                return
+            fetches.append((task, asyncio.ensure_future(stage.fetch(spec.source,
+                                                                    task.indices))))
+            more.set()
+
+    taking = asyncio.ensure_future(intake())
+    try:
+        while True:
+            if not fetches:
+                if taking.done():
+                    taking.result()  # the parent went away (or intake failed: raise it)
+                    return
+                more.clear()
+                await more.wait()
+                continue
+            task, fetching = fetches[0]
+            group = await fetching
+            fetches.popleft()
+            # Every key of the batch skipped: an empty answer, which the parent passes over.
+            make = _collate(spec, group) if group else (lambda: None)
+            if not await chan.emit(task.seq, make, None if group else ALL_SKIPPED):
+                return
+            if retire.batch_done():
+                await _hand_over(chan, None)
+                return
+    finally:
+        taking.cancel()
+        for _, fetching in fetches:
+            fetching.cancel()
+        await asyncio.gather(taking, *(f for _, f in fetches), return_exceptions=True)
