@@ -86,8 +86,9 @@ class FsspecReader(Reader):
     async def list_urls(self, data_path: Any = None) -> list[str]:
         """What :meth:`read` yields, as a list.
 
-        A pattern or prefix that names nothing, a missing object or bucket is a
-        ``FileNotFoundError``; an endpoint that cannot be reached a ``ConnectionError``;
+        A list of several URLs without wildcards is taken as it is (no request per object;
+        a missing one fails its load). A pattern or prefix that names nothing, a missing
+        object or bucket is a ``FileNotFoundError``; an endpoint that cannot be reached a ``ConnectionError``;
         both name the URL.
         """
         specs = self.urls if self.urls is not None else _url_list(data_path)
@@ -95,6 +96,11 @@ class FsspecReader(Reader):
         found: set[str] = set()
         async with _filesystem(protocol, self.storage_options) as fs:
             for spec in specs:
+                if len(specs) > 1 and _GLOB_CHARS.isdisjoint(spec):
+                    # A list of objects names its keys: no request per object to list it
+                    # (a missing one fails its load, naming it).
+                    found.add(_full_url(fs, _fs_path(fs, spec)))
+                    continue
                 try:
                     urls = await _expand(fs, spec)
                 except Exception as exc:
@@ -265,8 +271,7 @@ async def _expand(fs: Any, spec: str) -> list[str]:
         matches = await fs._glob(path, detail=True)
         return [_full_url(fs, p) for p, info in matches.items() if info.get("type") == "file"]
     if http and not spec.endswith("/"):
-        await fs._info(path)  # FileNotFoundError if it is not there
-        return [spec]
+        return [spec]  # an object: its load tells whether it is there
     if not http:
         with contextlib.suppress(FileNotFoundError):
             info = await fs._info(path)
