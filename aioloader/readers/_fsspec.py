@@ -88,8 +88,8 @@ class FsspecReader(Reader):
 
         A list of several URLs without wildcards is taken as it is (no request per object;
         a missing one fails its load). A pattern or prefix that names nothing, a missing
-        object or bucket is a ``FileNotFoundError``; an endpoint that cannot be reached a ``ConnectionError``;
-        both name the URL.
+        object or bucket is a ``FileNotFoundError``; an endpoint that cannot be reached a
+        ``ConnectionError``; both name the URL.
         """
         specs = self.urls if self.urls is not None else _url_list(data_path)
         protocol = _protocol_of(specs)
