@@ -30,7 +30,7 @@ import torch
 from . import _wire as wire
 from ._arena import ArenaMap, SlotFull, SlotWriter
 from ._codec import encode, tensors_nbytes
-from ._collate import use_allocator
+from ._collate import route_torch_collate_into_arena, use_allocator
 from ._dataplane import SlotPool
 from ._info import WorkerInfo, set_worker_info
 from ._loads import ALL_SKIPPED, LoadOptions, LoadStage
@@ -93,6 +93,7 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     # A child forked after the parent used torch's intra-op pool can deadlock on its first
     # parallel op (pytorch#17199); torch's own workers do the same.
     torch.set_num_threads(1)
+    route_torch_collate_into_arena()  # not a shared-memory segment per batch
     _detach_from_parent_signals(spec)
     from . import _loops
 

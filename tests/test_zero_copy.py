@@ -42,3 +42,28 @@ def test_zero_copy_false_gives_batches_of_their_own_memory(zero_copy: bool) -> N
         loader.close()
     assert sums == [sum(range(8)), sum(range(8, 16))]
     assert leased == [zero_copy] * 2
+
+
+def _torch_collate_noting_where(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torch's default_collate, as a user's collate calls it; notes where the batch lies."""
+    stacked = torch.utils.data.default_collate(batch)
+    return {"x": stacked, "torch_shared": torch.tensor(stacked.is_shared()),
+            "in_arena": torch.tensor(_in_an_arena(stacked))}
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_torch_default_collate_stacks_into_the_arena_not_a_new_segment(
+        start_method: str) -> None:
+    """Passed as collate_fn (or called by one), torch's default_collate sees our worker info
+    and would put every batch in a new shared-memory segment (issue 13); in our workers it
+    stacks into the arena's slot, and the batch is exactly torch's."""
+    with aioloader.DataLoader(Images(), batch_size=4, num_workers=2, start_method=start_method,
+                              collate_fn=_torch_collate_noting_where, quiet=True) as loader:
+        batches = list(loader)
+    assert len(batches) == 4
+    for k, batch in enumerate(batches):
+        assert not batch["torch_shared"].item()  # no segment of torch's per batch
+        # (a worker's first batch sizes its arena: it is made before the arena exists)
+        assert batch["in_arena"].item() or k < 2  # written in place
+        want = torch.utils.data.default_collate([Images()[i] for i in range(4 * k, 4 * k + 4)])
+        assert torch.equal(batch["x"], want)
