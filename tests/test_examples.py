@@ -19,6 +19,7 @@ EXPECTED = {
     "sync_training.py": ["batches on", "loss"],
     "custom_reader.py": ["all 20 records, each exactly once"],
     "distributed.py": ["rank 0:", "rank 1:", "the union is the dataset"],
+    "train_from_s3.py": ["uploaded 128 images", "epoch 1: loss", "data stall", "loader.stats()"],
 }
 
 

@@ -9,15 +9,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _peers, _resume
+from . import _peers, _remote, _resume
 from ._measure import Result, Spec
+from ._remote import REMOTE
 from ._report import Row, Target, machine_lines, summarise, table, target_lines, targets
 from ._resume import RESUME, ResumePlan
 from ._runner import MeasurementError, Plan, default_batches, isolated, run_workload
 from ._workloads import ALL, pillow_missing
 
 DEFAULT_WORKLOADS = ALL
-CHOICES = (*ALL, RESUME)  # resume measures something else: only when asked for
+CHOICES = (*ALL, RESUME, REMOTE)  # these measure something else: only when asked for
+SPECIAL = (RESUME, REMOTE)
 
 
 def _workloads(text: str) -> tuple[str, ...]:
@@ -41,6 +43,13 @@ def _percents(text: str) -> tuple[float, ...]:
     return tuple(v / 100 for v in values)
 
 
+def _concurrency(text: str) -> tuple[int, ...]:
+    try:
+        return _remote.concurrency_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _at_least(minimum: int) -> Any:
     def parse(text: str) -> int:
         try:
@@ -59,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", type=_workloads, default=DEFAULT_WORKLOADS,
                         help=f"comma-separated, from {','.join(CHOICES)} (default: "
                         f"{','.join(ALL)}); {RESUME!r} times load_state_dict() to the first "
-                        "batch against torchdata's StatefulDataLoader (--resume-* options)")
+                        "batch against torchdata's StatefulDataLoader (--resume-* options); "
+                        f"{REMOTE!r} fetches objects from a local HTTP server with 20 ms "
+                        "latency: aioloader's load stage against torch and SPDL (--concurrency)")
     parser.add_argument("--num-workers", type=_at_least(0), default=2,
                         help="worker processes on both sides (default 2; 0 = in-process)")
     parser.add_argument("--start-method", choices=("fork", "spawn", "forkserver"),
@@ -87,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing")
+    parser.add_argument("--concurrency", type=_concurrency, default=None, metavar="LIST",
+                        help=f"the {REMOTE} workload's loads in flight per worker (default "
+                        f"{','.join(map(str, _remote.DEFAULT_CONCURRENCY))}; --quick: "
+                        f"{','.join(map(str, _remote.QUICK_CONCURRENCY))})")
     resume = parser.add_argument_group(
         "the resume workload",
         "A shuffled map-style epoch of cheap samples is resumed at each position by aioloader "
@@ -130,7 +145,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout),
                 peers=peers, collate=args.collate)
     started = time.monotonic()
-    per_epoch = ", ".join(f"{w}={batches[w]}" for w in workloads if w != RESUME)
+    per_epoch = ", ".join(f"{w}={batches[w]}" for w in workloads if w not in SPECIAL)
     header = (f"aioloader bench: num_workers={plan.num_workers}, "
               f"start_method={plan.start_method}, face={plan.face}, loop={plan.loop}, "
               f"pairs={plan.pairs}, collate={plan.collate}"
@@ -148,7 +163,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     failed = False
     rows: list[Row] = []
     raw: dict[str, Any] = {}
-    throughput = [w for w in workloads if w != RESUME]
+    throughput = [w for w in workloads if w not in SPECIAL]
     for workload in throughput:
         t0 = time.monotonic()
         try:
@@ -175,6 +190,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if RESUME in args.workloads:
         raw[RESUME], resume_failed = _run_resume(args, pairs)
         failed |= resume_failed
+    if REMOTE in args.workloads:
+        raw[REMOTE], remote_failed = _remote.run_cli(args, pairs)
+        failed |= remote_failed
     elapsed = time.monotonic() - started
     print(f"\n{len(rows)} rows in {elapsed:.1f} s" if throughput else f"\ndone in {elapsed:.1f} s")
     if args.json is not None:
