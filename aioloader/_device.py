@@ -1,8 +1,8 @@
-"""Moving every tensor of a batch to a device."""
+"""Moving every tensor of a batch to a device, or into pinned memory."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,19 +28,39 @@ def as_device(device: DeviceLike | None) -> torch.device | None:
 
 def move_to(obj: Any, device: torch.device) -> Any:
     """``obj`` with every tensor in it on ``device`` (containers keep their types)."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        return t.to(device, non_blocking=device.type == "cuda" and t.is_pinned())
+
+    return _map_tensors(obj, move)
+
+
+def pin(obj: Any) -> Any:
+    """``obj`` with every CPU tensor in it in page-locked memory (``pin_memory=True``), as
+    torch's pin-memory thread does; the copy to a GPU can then overlap (non_blocking)."""
+    return _map_tensors(obj, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+
+
+def can_pin() -> bool:
+    """Whether pinning means anything here: an accelerator is present (torch's rule)."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        if obj.device == device:
-            return obj
-        non_blocking = device.type == "cuda" and obj.is_pinned()
-        return obj.to(device, non_blocking=non_blocking)
+        return fn(obj)
     if isinstance(obj, Mapping):
-        items = {k: move_to(v, device) for k, v in obj.items()}
+        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
         try:
             return type(obj)(items)  # type: ignore[call-arg]
         except TypeError:
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(move_to(v, device) for v in obj))
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to(v, device) for v in obj)
+        return type(obj)(_map_tensors(v, fn) for v in obj)
     return obj

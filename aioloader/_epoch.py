@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._device import move_to
+from ._device import move_to, pin
 from ._distributed import all_reduce
 from ._errors import LoaderBusyError
 from ._session import PassDone, Session
@@ -170,8 +170,8 @@ class Epoch:
                     # Batches that were already waiting would otherwise come back to back
                     # without the loop running anything else in between.
                     await asyncio.sleep(0)
-                return step.value if self._device is None else move_to(step.value,
-                                                                       self._device)
+                value = pin(step.value) if loader._pin else step.value
+                return value if self._device is None else move_to(value, self._device)
         except BaseException as exc:
             # After an error nobody waits for the workers' last words: no grace.
             await self._finish(stop=True, grace=0.0 if isinstance(exc, Exception) else GRACE)
@@ -230,6 +230,9 @@ class Epoch:
             return
         if not stop:
             loader._cursor.in_epoch = 0  # between epochs
+            if not loader._keeps_workers():  # persistent_workers=False: none between epochs
+                loader._hold_position()
+                stop = True
         if stop:
             await loader._drop_session(session, grace)
         elif not session.closed:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import threading
+import types
 
 
 class WorkerError(Exception):
@@ -10,6 +12,10 @@ class WorkerError(Exception):
 
     The message holds the original exception's repr and the worker's traceback; when the
     original exception could be rebuilt in this process it is also the ``__cause__``.
+
+    A worker's exception is raised as an instance of both ``WorkerError`` and the original
+    exception's type where Python allows it (as torch re-raises the original type), so
+    ``except KeyError:`` around the loop still catches a ``KeyError`` raised in a worker.
     """
 
     def __init__(self, message: str, *, worker_id: int | None = None,
@@ -18,8 +24,78 @@ class WorkerError(Exception):
         self.worker_id = worker_id
         self.pid = pid
 
+    def __str__(self) -> str:
+        # Ahead of the original type's own __str__ in a FromWorker class (KeyError's would
+        # show the whole message as a quoted repr, OSError's would look for an errno).
+        return BaseException.__str__(self)
+
     def __reduce__(self) -> tuple[object, ...]:
+        original = getattr(type(self), "_original_type", None)
+        if original is not None:  # a class made on the fly: rebuilt from its original type
+            return (_rebuild_from_worker, (original, self.args[0], self.__dict__))
         return (_rebuild, (type(self), self.args[0], self.__dict__))
+
+
+# Types a worker's exception must never also be: they steer iteration itself (a
+# StopAsyncIteration would end the epoch quietly, as if the data were done).
+_NEVER_MIXED = (StopIteration, StopAsyncIteration)
+_MIXED: dict[type[BaseException], type[WorkerError] | None] = {}
+_MIXED_LOCK = threading.Lock()
+
+
+def worker_error_for(original: BaseException | None, message: str, *, worker_id: int | None,
+                     pid: int | None) -> WorkerError:
+    """A :class:`WorkerError` that is also an instance of ``type(original)`` when Python
+    allows it (``KeyErrorFromWorker(WorkerError, KeyError)``, one class per type), else a
+    plain one. Its args are ``(message,)`` as with torch's re-raise; the original's
+    attributes are copied (``errno``, ``filename``, a user's own), the original itself is
+    the ``__cause__``."""
+    cls = _mixed_type(type(original)) if original is not None else None
+    if cls is not None:
+        try:
+            err: WorkerError = cls.__new__(cls)
+            BaseException.__init__(err, message)
+        except Exception:  # noqa: BLE001 - an exotic __new__: the plain error will do
+            cls = None
+    if cls is None:
+        return WorkerError(message, worker_id=worker_id, pid=pid)
+    if isinstance(original, OSError):
+        assert isinstance(err, OSError)
+        err.errno, err.strerror = original.errno, original.strerror
+        err.filename, err.filename2 = original.filename, original.filename2
+    err.__dict__.update(getattr(original, "__dict__", {}))
+    err.worker_id = worker_id
+    err.pid = pid
+    return err
+
+
+def _mixed_type(original: type[BaseException]) -> type[WorkerError] | None:
+    """``{Name}FromWorker(WorkerError, original)``, cached; None where it cannot be made
+    (not an Exception, an iteration signal, a layout or MRO conflict)."""
+    with _MIXED_LOCK:
+        if original in _MIXED:
+            return _MIXED[original]
+        cls: type[WorkerError] | None = None
+        if (issubclass(original, Exception) and not issubclass(original, _NEVER_MIXED)
+                and not issubclass(original, WorkerError)):
+            try:
+                cls = types.new_class(f"{original.__name__}FromWorker",
+                                      (WorkerError, original),
+                                      exec_body=lambda ns: ns.update(
+                                          __module__=WorkerError.__module__,
+                                          _original_type=original))
+                probe = cls.__new__(cls)  # MemoryError-like allocators refuse a subclass
+                BaseException.__init__(probe, "")
+            except Exception:  # noqa: BLE001 - fall back to a plain WorkerError
+                cls = None
+        _MIXED[original] = cls
+        return cls
+
+
+def _rebuild_from_worker(original: type[BaseException], message: str,
+                         state: dict[str, object]) -> Exception:
+    cls = _mixed_type(original) or WorkerError
+    return _rebuild(cls, message, state)
 
 
 def _rebuild(cls: type[Exception], message: str, state: dict[str, object]) -> Exception:

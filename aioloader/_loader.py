@@ -12,7 +12,10 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ._device import DeviceLike, as_device
+import torch
+import torch.utils.data
+
+from ._device import DeviceLike, as_device, can_pin
 from ._distributed import all_reduce, topology
 from ._epoch import Epoch, backstop
 from ._errors import LoaderBusyError, ResumeError, ResumeWarning
@@ -57,6 +60,24 @@ class _Box:
 class DataLoader:
     """Batches from a reader or dataset, built in worker processes, consumed with ``async for``.
 
+    torch's ``DataLoader`` arguments are accepted with torch's meaning (docs/migrating.md):
+    ``sampler`` (map-style; batched as ``BatchSampler(sampler, batch_size, drop_last)``),
+    ``worker_init_fn`` (once per worker process, after seeding), ``prefetch_factor`` (our
+    ``prefetch``: batches in flight per worker), ``generator`` (the seed when ``seed`` is
+    None), ``multiprocessing_context`` (our ``start_method``), ``pin_memory``, ``timeout=0``
+    (no timeout), ``in_order`` (True or False: batches of a map-style dataset always come
+    in the sampler's order, and a slow worker holds up no more than torch's in-order
+    delivery would). A worker's exception is raised as :class:`~aioloader.WorkerError` that
+    is also of the original's type, so ``except KeyError:`` works as with torch.
+
+    ``persistent_workers=True`` (torch's default is False) keeps the workers, their shared
+    memory and their place in the stream from one completed epoch to the next: no process
+    start per epoch, and the next epoch is prepared while this one ends. torch defaults to
+    False because its workers hold an iterator's state; ours take a plan per epoch, so
+    keeping them costs nothing. ``False`` stops them when each epoch completes (nothing is
+    left running between epochs; each epoch starts its workers, and ``worker_init_fn``
+    runs again, as with torch).
+
     Examples:
         >>> import aioloader
         >>> class Squares(aioloader.Reader):
@@ -86,7 +107,7 @@ class DataLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         seed: int | None = None,
         timeout: float | None = None,
-        prefetch: int = 4,
+        prefetch: int | None = None,
         even_batches: bool = True,
         zero_copy: bool = True,
         max_worker_restarts: int = 0,
@@ -98,12 +119,29 @@ class DataLoader:
         ordered: bool = True,
         retries: int | Retry = 0,
         on_error: str = "raise",
+        sampler: Any = None,
+        worker_init_fn: Callable[[int], object] | None = None,
+        persistent_workers: bool = True,
+        prefetch_factor: int | None = None,
+        generator: torch.Generator | None = None,
+        in_order: bool = True,
+        multiprocessing_context: Any = None,
+        pin_memory: bool = False,
+        pin_memory_device: str = "",
     ) -> None:
+        start_method = _start_method(start_method, multiprocessing_context)
+        prefetch = _prefetch_of(prefetch, prefetch_factor, num_workers)
+        if timeout == 0:
+            timeout = None  # torch's default: no timeout
         _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
                   batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
                   num_workers=num_workers, max_instances_in_memory=max_instances_in_memory,
                   start_method=start_method, timeout=timeout, prefetch=prefetch,
                   max_worker_restarts=max_worker_restarts, log_every=log_every)
+        _validate_torch(sampler=sampler, shuffle=shuffle, batch_sampler=batch_sampler,
+                        worker_init_fn=worker_init_fn, generator=generator,
+                        flags={"persistent_workers": persistent_workers, "in_order": in_order,
+                               "pin_memory": pin_memory})
         for name, value in (("max_batches_per_worker", max_batches_per_worker),
                             ("max_worker_rss", max_worker_rss)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -120,6 +158,18 @@ class DataLoader:
                 "max_batches_per_worker or max_worker_rss: a replacement worker goes on from "
                 "a position in the keys, and loads that finish out of order have none. Use "
                 "ordered=True (loads still overlap; only the hand-over order is kept)")
+        if (not persistent_workers and num_workers and batches_per_epoch is not None
+                and self._loads is not None and not self._loads.ordered
+                and self._kind is not Kind.MAP):
+            raise ValueError(
+                "persistent_workers=False with batches_per_epoch and ordered=False: the next "
+                "epoch's workers would have to go on from a position in the keys, and loads "
+                "that finish out of order have none. Keep persistent_workers=True")
+        if self._kind is not Kind.MAP and sampler is not None:
+            raise ValueError(
+                f"sampler {type(sampler).__name__} yields indices, which only a map-style "
+                "Dataset can use (torch's DataLoader refuses it too); a reader or an "
+                "IterableDataset orders its own instances")
         if self._kind is not Kind.MAP and batch_sampler is not None and not isinstance(
                 batch_sampler, BatchSampler):
             raise ValueError(
@@ -131,6 +181,12 @@ class DataLoader:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.shuffle = shuffle
+        self._user_sampler = sampler
+        if sampler is not None:
+            # torch's auto-batching, and the path a user's batch sampler takes (planned when
+            # its epoch starts, never split again across ranks): no second planner.
+            assert batch_size is not None  # _validate: batch_size or batch_sampler
+            batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
         self.batch_sampler = batch_sampler
         self.batches_per_epoch = batches_per_epoch
         self.num_workers = num_workers
@@ -151,6 +207,15 @@ class DataLoader:
         self.ordered = ordered
         self.retries = retries
         self.on_error = on_error
+        self.worker_init_fn = worker_init_fn
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
+        self.generator = generator
+        self.in_order = in_order
+        self.multiprocessing_context = multiprocessing_context
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self._pin = pin_memory and _pinning_available(pin_memory_device)
         self._budget = RestartBudget(max_worker_restarts)  # across sessions: per loader
         self._skips = SkipLog()  # across sessions: per loader
         self.log_every = log_every
@@ -160,6 +225,9 @@ class DataLoader:
             _stats_to_stderr()
         self._device = as_device(cuda_device)
         self._topo = topology(even_batches)
+        if seed is None and generator is not None:
+            # torch's base seed: one draw from the user's generator.
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         if seed is None:
             # Ranks must agree on one shuffle; like DistributedSampler, default to seed 0.
             seed = 0 if self._topo.distributed else random.SystemRandom().getrandbits(63)
@@ -182,8 +250,10 @@ class DataLoader:
     def _configure(self, seed: int) -> None:
         """What depends on the seed: the plans and the workers' setup."""
         self._base_seed = seed
+        wrapped = self._user_sampler is not None  # batch_size/drop_last are in the sampler
         self._plan_spec = PlanSpec(
-            batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
+            batch_size=None if wrapped else self.batch_size,
+            drop_last=False if wrapped else self.drop_last, shuffle=self.shuffle,
             sampler=self.batch_sampler, seed=seed, rank=self._topo.rank,
             world_size=self._topo.world_size, even_batches=self.even_batches)
         self._setup = Setup(
@@ -193,7 +263,7 @@ class DataLoader:
             seed=seed, rank=self._topo.rank, world_size=self._topo.world_size,
             timed=self.timeout is not None, budget=self._budget,
             max_batches=self.max_batches_per_worker, max_rss=self.max_worker_rss,
-            loads=self._loads, skips=self._skips)
+            loads=self._loads, skips=self._skips, worker_init_fn=self.worker_init_fn)
 
     def _prefetch(self) -> int:
         """Batches in flight per worker (its slots): with a load stage, enough index
@@ -263,9 +333,18 @@ class DataLoader:
         return list(self._skips.skipped)
 
     @property
-    def sampler(self) -> EpochSetter:
-        """The loader's own sampling, as torch integrations see it: ``sampler.set_epoch(e)``,
-        which PyTorch Lightning calls before each epoch, is :meth:`set_epoch`."""
+    def dataset(self) -> Any:
+        """The source, under torch's name (``loader.dataset``): the same as ``reader``."""
+        return self.reader
+
+    @property
+    def sampler(self) -> Any:
+        """The ``sampler=`` given, as torch's ``loader.sampler`` (its ``set_epoch`` is the
+        user's, as with torch). Otherwise the loader's own sampling, as torch integrations
+        see it: ``sampler.set_epoch(e)``, which PyTorch Lightning calls before each epoch, is
+        :meth:`set_epoch`."""
+        if self._user_sampler is not None:
+            return self._user_sampler
         return EpochSetter(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -323,6 +402,24 @@ class DataLoader:
                     "instances: it has no state_dict()/load_state_dict() of its own. Give it "
                     "those (a position in its files) to resume in constant time",
                     ResumeWarning, stacklevel=2)
+
+    def _keeps_workers(self) -> bool:
+        """Whether a completed epoch leaves its workers up for the next one."""
+        return self.persistent_workers or self.num_workers == 0
+
+    def _hold_position(self) -> None:
+        """A completed epoch is about to stop its workers (``persistent_workers=False``):
+        with ``batches_per_epoch`` the stream goes on where it stopped, so the next session
+        starts there, as after :meth:`load_state_dict`."""
+        if self.batches_per_epoch is None:
+            return  # the next epoch starts a pass of its own
+        with self._lock:
+            cursor = self._cursor
+        cache = self._cache
+        self._resume = ResumePoint(
+            seed=self._base_seed, pass_no=cursor.pass_no, in_pass=cursor.in_pass, in_epoch=0,
+            stream=cursor.stream() if cursor.stream is not None else None,
+            instances=len(cache) if cache is not None and self._cached() else None)
 
     def _lazy(self) -> bool:
         return self._kind is not Kind.MAP and self.max_instances_in_memory is not None
@@ -578,6 +675,82 @@ def _stream_seeds(spec: PlanSpec) -> Callable[[int], int]:
     same batches in or out of a worker. Not a method: a producer holding the loader would
     keep it (and its workers) alive after the user dropped it."""
     return lambda pass_no: worker_seed(spec, pass_no, 0)
+
+
+def _start_method(start_method: str, context: Any) -> str:
+    """torch's ``multiprocessing_context`` (a start method's name, or a context from
+    ``multiprocessing.get_context``) as our ``start_method``."""
+    if context is None:
+        return start_method
+    if isinstance(context, str):
+        method = context
+    elif callable(getattr(context, "get_start_method", None)):
+        method = context.get_start_method()
+    else:
+        raise ValueError("multiprocessing_context must be a start method's name or a "
+                         "context from multiprocessing.get_context(...), got "
+                         f"{context!r}")
+    if method not in START_METHODS:
+        raise ValueError(f"multiprocessing_context must be one of {', '.join(START_METHODS)}; "
+                         f"got {context!r}")
+    if start_method != "fork" and start_method != method:
+        raise ValueError(f"start_method={start_method!r} conflicts with "
+                         f"multiprocessing_context={context!r}: give one of them")
+    return method
+
+
+def _prefetch_of(prefetch: int | None, prefetch_factor: int | None, num_workers: int) -> int:
+    """Slots per worker: ``prefetch``, or torch's ``prefetch_factor`` (batches loaded in
+    advance per worker, which is what a slot holds)."""
+    if prefetch_factor is None:
+        return 4 if prefetch is None else prefetch
+    if num_workers == 0:
+        raise ValueError("prefetch_factor can only be given with num_workers > 0 (as with "
+                         "torch's DataLoader): without workers nothing is loaded ahead")
+    if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or (
+            prefetch_factor < 1):
+        raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
+    if prefetch is not None and prefetch != prefetch_factor:
+        raise ValueError(f"prefetch={prefetch} and prefetch_factor={prefetch_factor} are the "
+                         "same option (batches in flight per worker): give one of them")
+    return prefetch_factor
+
+
+def _validate_torch(*, sampler: Any, shuffle: bool, batch_sampler: Any,
+                    worker_init_fn: Any, generator: Any, flags: dict[str, Any]) -> None:
+    """The rules of torch's DataLoader for the arguments it has and AllenNLP's has not."""
+    if sampler is not None:
+        if shuffle:
+            raise ValueError("sampler is mutually exclusive with shuffle (as in torch): the "
+                             "sampler decides the order; use RandomSampler to shuffle")
+        if batch_sampler is not None:
+            raise ValueError("sampler is mutually exclusive with batch_sampler (as in torch): "
+                             "put the sampler inside the batch sampler")
+        if isinstance(sampler, (str, bytes)) or not hasattr(sampler, "__iter__"):
+            raise ValueError(f"sampler must be an iterable of indices (a torch Sampler), "
+                             f"got {sampler!r}")
+    if worker_init_fn is not None and not callable(worker_init_fn):
+        raise ValueError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {generator!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _pinning_available(device: str) -> bool:
+    """torch's rule for ``pin_memory=True``: without an accelerator it warns and pins
+    nothing (the batches are still good); ``pin_memory_device`` is deprecated there and
+    ignored with a warning, here too."""
+    if device:
+        warnings.warn(f"pin_memory_device is deprecated in torch, and ignored here: batches "
+                      f"are pinned for the current accelerator (not {device!r})",
+                      stacklevel=3)
+    if can_pin():
+        return True
+    warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
+                  "device pinned memory won't be used.", stacklevel=3)
+    return False
 
 
 def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,

@@ -45,6 +45,7 @@ class Setup:
     max_rss: int | None = None  # max_worker_rss
     loads: LoadOptions | None = None  # the load stage (issue 11): the source yields keys
     skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
+    worker_init_fn: Callable[[int], object] | None = None  # torch's, once per worker process
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
@@ -58,7 +59,7 @@ class Setup:
             # A cache-filling pass is read once: recycling is for the epochs' workers.
             max_batches=self.max_batches if role != "instances" else None,
             max_rss=self.max_rss if role != "instances" else None,
-            loads=self._loads_of(source))
+            loads=self._loads_of(source), worker_init_fn=self.worker_init_fn)
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
                           budget=self.budget, skips=self.skips)
 

@@ -39,6 +39,7 @@ from ._errors import (
     WorkerDied,
     WorkerError,
     describe_exit,
+    worker_error_for,
 )
 from ._loads import SkipLog, SkippedLoad
 from ._position import ShardPosition
@@ -186,7 +187,7 @@ class Supervisor:
             return
         from multiprocessing.reduction import ForkingPickler
 
-        for name in ("source", "collate_fn", "options"):
+        for name in ("source", "collate_fn", "options", "worker_init_fn"):
             value = getattr(self.spec, name)
             try:
                 ForkingPickler.dumps(value)
@@ -639,11 +640,18 @@ def _start_process(w: WorkerState, child: socket.socket) -> None:
 
 
 def _worker_error(w: WorkerState, msg: wire.Failed) -> WorkerError:
-    err = WorkerError(
+    """The worker's exception as the consumer sees it: a WorkerError that is also of the
+    original's type where possible (``except KeyError:`` still works, as with torch), the
+    worker's traceback in its message, the original as its ``__cause__``."""
+    original: BaseException | None = None
+    if msg.pickled is not None:
+        with contextlib.suppress(Exception):
+            original = pickle.loads(msg.pickled)
+    err = worker_error_for(
+        original if isinstance(original, BaseException) else None,
         f"worker {w.id} (pid {w.pid}) raised {msg.error_repr}\n\n"
         "  Traceback from the worker:\n  " + msg.traceback.rstrip().replace("\n", "\n  "),
         worker_id=w.id, pid=w.pid)
-    if msg.pickled is not None:
-        with contextlib.suppress(Exception):
-            err.__cause__ = pickle.loads(msg.pickled)
+    if isinstance(original, BaseException):
+        err.__cause__ = original
     return err

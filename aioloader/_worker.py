@@ -68,6 +68,8 @@ class WorkerSpec:
     max_batches: int | None = None  # retire after this many batches (max_batches_per_worker)
     max_rss: int | None = None  # retire past this resident size, in bytes (max_worker_rss)
     loads: LoadOptions | None = None  # the source yields keys; this stage loads them
+    # torch's worker_init_fn: called with the worker id once per process, after seeding
+    worker_init_fn: Callable[[int], object] | None = None
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
@@ -298,6 +300,11 @@ async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
     set_worker_info(info, dataset=spec.source)
     _seed_everything(info.seed)
     try:
+        if spec.worker_init_fn is not None:
+            # As torch: after the seeds and worker info, before any data is read; in every
+            # process that serves the spec (a restarted or recycled worker's too). Its
+            # exception is the worker's, reported like any other.
+            spec.worker_init_fn(spec.worker_id)
         async with contextlib.AsyncExitStack() as stack:
             stage = None
             if spec.loads is not None:
@@ -425,11 +432,14 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None)
     assert start is not None
     pass_no = start.pass_no
     retire = _Retirement(spec)
+    seeded = spec.seed_for(spec.first_pass)  # by _serve, before worker_init_fn ran
     while True:
         seed = spec.seed_for(pass_no)
         set_worker_info(WorkerInfo(spec.num_workers, spec.worker_id, seed, spec.rank,
                                    spec.world_size), dataset=spec.source)
-        _seed_everything(seed)
+        if seed != seeded:  # not again: a worker_init_fn's own seeding would be undone
+            _seed_everything(seed)
+        seeded = -1
         sent = 0
         if spec.plan == "instances":
             sent = await _send_instances(spec, chan, start.start if start else PASS_START,
