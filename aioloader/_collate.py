@@ -245,7 +245,8 @@ def stack_into_arena(batch: Sequence[torch.Tensor], *,
     """
     elem = batch[0]
     if elem.is_nested or elem.layout in _SPARSE:  # torch's own errors
-        return _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
+        raised: torch.Tensor = _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
+        return raised
     return _stack(batch, ())
 
 

@@ -63,7 +63,6 @@ PER_INFLIGHT = 400  # objects a run reads per request in flight (so ~8 s at 20 m
 CEILING_INFLIGHT = 256
 SAMPLE_S = 0.01  # the memory sampler's period
 LIST_EVERY = 5  # samples: how often the sampler looks for new worker processes
-LISTED = 50  # explicit URLs whose listing is timed (FsspecReader.list_urls)
 TORCH_RATIO_TARGET = (32, 15.0)  # issue 11: at c=32, at least 15x torch
 
 
@@ -147,18 +146,6 @@ def to_tensor(url: str, data: bytes) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- the aioloader side
 
-class KnownUrls(FsspecReader):
-    """FsspecReader over URLs known in advance: ``list_urls`` returns them as given.
-
-    FsspecReader's own listing checks each explicit HTTP URL with a request of its own, one
-    after the other, in every worker and every epoch (LISTED below times it): at 20 ms each,
-    4000 URLs cost ~90 s before the first load. The bench measures the load stage.
-    """
-
-    async def list_urls(self, data_path: Any = None) -> list[str]:
-        return sorted(self.urls or ())
-
-
 def lazy_block(c: int) -> int:
     """``max_instances_in_memory`` for concurrency ``c``: whole batches, at least ``c``."""
     return -(-c // BATCH_SIZE) * BATCH_SIZE
@@ -167,7 +154,7 @@ def lazy_block(c: int) -> int:
 def _aioloader(plan: RemotePlan, urls: list[str], c: int) -> aioloader.DataLoader:
     # Lazy: the default (cached) mode keeps every instance of the first epoch in the main
     # process, which for an object store is the whole bucket.
-    return aioloader.DataLoader(KnownUrls(urls, decode=to_tensor), batch_size=BATCH_SIZE,
+    return aioloader.DataLoader(FsspecReader(urls, decode=to_tensor), batch_size=BATCH_SIZE,
                                 num_workers=plan.num_workers, start_method=plan.start_method,
                                 concurrency=c, max_instances_in_memory=lazy_block(c),
                                 quiet=True)
@@ -446,15 +433,6 @@ def _consume_aioloader(plan: RemotePlan, urls: list[str], c: int, clock: _Clock,
     return run_on(plan.loop, epoch())
 
 
-def time_listing(server: ObjectServer, count: int) -> Result:
-    """Seconds FsspecReader takes to list ``count`` explicit object URLs."""
-    urls = [server.object_url(name) for name in server.names[:count]]
-    t0 = time.perf_counter()
-    listed = asyncio.run(FsspecReader(urls).list_urls())
-    seconds = time.perf_counter() - t0
-    return {"urls": len(listed), "seconds": seconds, "ms_per_url": seconds / len(listed) * 1e3}
-
-
 # ------------------------------------------------------------------------------ the series
 
 def run_remote(plan: RemotePlan, with_spdl: bool,
@@ -463,15 +441,13 @@ def run_remote(plan: RemotePlan, with_spdl: bool,
     runs = runs_of(plan, with_spdl)
     results: dict[str, list[Result]] = {run.name: [] for run in runs}
     with object_server(count=plan.count, size=plan.size, latency=plan.latency) as server:
-        listing = isolated_call(time_listing, (server, min(LISTED, plan.count)), plan.timeout,
-                                "the listing of explicit URLs")
         for pair in range(plan.pairs):
             for run in runs if pair % 2 == 0 else reversed(runs):
                 result = isolated_call(measure_run, (run, plan, server), plan.timeout,
                                        f"{REMOTE} / {run.name}")
                 results[run.name].append(result)
             note(f"{REMOTE}: round {pair + 1} of {plan.pairs} done")
-    return {"runs": results, "listing": listing,
+    return {"runs": results,
             "order": [{"name": r.name, "side": r.side, "concurrency": r.concurrency,
                        "inflight": r.inflight(plan)} for r in runs]}
 
@@ -532,7 +508,7 @@ def table(plan: RemotePlan, rows: Sequence[Result]) -> str:
     return "\n".join([caption, *grid])
 
 
-def target_lines(plan: RemotePlan, rows: Sequence[Result], listing: Result) -> list[str]:
+def target_lines(plan: RemotePlan, rows: Sequence[Result]) -> list[str]:
     """Issue 11's targets, met or missed, and what bounds the rates."""
     lines = []
     aio = {r["concurrency"]: r for r in rows if r["side"] == "aioloader"}
@@ -560,11 +536,6 @@ def target_lines(plan: RemotePlan, rows: Sequence[Result], listing: Result) -> l
                      f"{ceiling['machine_cores']:.2f}; best aioloader "
                      f"(c={best['concurrency']}) reaches "
                      f"{best['objects_per_s'] / ceiling['objects_per_s']:.0%} of it")
-    per_url = listing["ms_per_url"]
-    lines.append(f"  note: FsspecReader lists explicit HTTP URLs one request at a time: "
-                 f"{per_url:.1f} ms per URL ({listing['urls']} timed), so "
-                 f"{plan.count} URLs ~{per_url * plan.count / 1e3:.0f} s per worker per "
-                 "epoch before the first load; the runs above skip that listing (KnownUrls)")
     return lines
 
 
@@ -605,7 +576,7 @@ def run_cli(args: Any, pairs: int) -> tuple[Result, bool]:
     print(table(plan, rows))
     print()
     print("targets (issue 11; medians over pairs):")
-    print("\n".join(target_lines(plan, rows, raw["listing"])))
+    print("\n".join(target_lines(plan, rows)))
     for name, results in raw["runs"].items():
         left = [pid for r in results for pid in r.get("leftover_pids", ())]
         if left:

@@ -55,7 +55,8 @@ class FsspecReader(Reader):
         >>> reader = FsspecReader("s3://bucket/train/*.jpg",
         ...                       storage_options={"anon": True})
         >>> loader = aioloader.DataLoader(reader, batch_size=32, num_workers=4,
-        ...                               concurrency=64)  # doctest: +SKIP
+        ...                               concurrency=64, max_instances_in_memory=1024,
+        ...                               )  # doctest: +SKIP
         >>> async def first() -> dict:  # doctest: +SKIP
         ...     url = [u async for u in reader.read(None)][0]
         ...     async with reader.loading() as load:
@@ -121,6 +122,7 @@ class FsspecReader(Reader):
         connections. Every URL loaded must be of one protocol.
         """
         opened: dict[str, Any] = {}  # protocol -> filesystem, opened on the first load
+        opening: list[asyncio.Task[Any]] = []
         lock = asyncio.Lock()
         decode = self.decode
         async with contextlib.AsyncExitStack() as stack:
@@ -131,8 +133,12 @@ class FsspecReader(Reader):
                 if fs is None:
                     async with lock:
                         if not opened:
-                            opened[protocol] = await stack.enter_async_context(
-                                _filesystem(protocol, self.storage_options))
+                            # In a task of its own, shielded: a load cancelled meanwhile must
+                            # not leave the filesystem's context half entered (its close
+                            # would then find the generator still running).
+                            opening.append(asyncio.ensure_future(stack.enter_async_context(
+                                _filesystem(protocol, self.storage_options))))
+                            opened[protocol] = await asyncio.shield(opening[0])
                         elif protocol not in opened:
                             raise ValueError(f"cannot load {url}: this loading() loads "
                                              f"{next(iter(opened))}:// URLs")
@@ -157,6 +163,8 @@ class FsspecReader(Reader):
                 yield load
             finally:
                 closed = True
+                if opening:  # opened (or failed) before the stack closes what it holds
+                    await asyncio.gather(*opening, return_exceptions=True)
 
 
 def _url_list(urls: Any) -> list[str]:
@@ -271,7 +279,8 @@ async def _expand(fs: Any, spec: str) -> list[str]:
         matches = await fs._glob(path, detail=True)
         return [_full_url(fs, p) for p, info in matches.items() if info.get("type") == "file"]
     if http and not spec.endswith("/"):
-        return [spec]  # an object: its load tells whether it is there
+        await fs._info(path)  # FileNotFoundError if it is not there
+        return [spec]
     if not http:
         with contextlib.suppress(FileNotFoundError):
             info = await fs._info(path)
