@@ -3,13 +3,15 @@ subprocess with a hard deadline. Prints one JSON line: the ids it saw and how it
 
     python heal_victim.py KIND START_METHOD RESTARTS KILL_AFTER [KILL_AFTER ...]
 
-KIND: map | lazy | cached. After the consumer took batch number k for each KILL_AFTER k
-(0: before the first batch arrives), it SIGKILLs the worker that built that batch (for 0,
-worker 0) and waits until that process is gone, then goes on.
+KIND: map | lazy | cached | loads (a lazy reader of keys with an async load) | loads-map
+(a map-style dataset with an async __getitem__). After the consumer took batch number k for
+each KILL_AFTER k (0: before the first batch arrives), it SIGKILLs the worker that built
+that batch (for 0, worker 0) and waits until that process is gone, then goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -43,14 +45,35 @@ class Lines(aioloader.Reader):
             yield item(i)
 
 
+class Keys(aioloader.Reader):
+    """Keys, loaded by the load stage (issue 11): a restart goes on from a key position."""
+
+    def read(self, data_path: Any) -> Any:
+        yield from range(N)
+
+    async def load(self, key: int) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        return item(key)
+
+
+class AsyncItems(Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return N
+
+    async def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return item(i)
+
+
 def collate(items: list[dict[str, Any]]) -> Any:
     """The default collate, with the pid of the process that built the batch."""
     return aioloader.default_collate([dict(it, pid=os.getpid()) for it in items])
 
 
 def make(kind: str, start_method: str, restarts: int) -> aioloader.DataLoader:
-    source = Items() if kind == "map" else Lines()
-    lazy = 16 if kind == "lazy" else None
+    source: Any = {"map": Items(), "loads": Keys(), "loads-map": AsyncItems()}.get(kind,
+                                                                                 Lines())
+    lazy = 16 if kind in ("lazy", "loads") else None
     return aioloader.DataLoader(source, batch_size=4, shuffle=True, seed=7, num_workers=2,
                                 start_method=start_method, max_instances_in_memory=lazy,
                                 max_worker_restarts=restarts, collate_fn=collate,

@@ -36,6 +36,8 @@ def victim(kind: str, start_method: str, restarts: int, *kills: int) -> tuple[An
     ("map", "fork", 0),  # during the first batch
     ("lazy", "fork", 0),
     ("cached", "fork", 0),
+    ("loads", "fork", 5),  # a load stage (issue 11): keys from the position, loads again
+    ("loads-map", "fork", 3),
 ])
 def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_repeated(
         kind: str, start_method: str, kill_after: int) -> None:

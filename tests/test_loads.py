@@ -366,3 +366,46 @@ def test_a_load_error_pickles_with_its_fields() -> None:
     err = pickle.loads(pickle.dumps(LoadError("s3://b/k", 1, 3, ConnectionResetError("x"))))
     assert (err.key, err.worker_id, err.attempts) == ("s3://b/k", 1, 3)
     assert "loading key 's3://b/k' failed in worker 1 after 3 attempt(s)" in str(err)
+
+
+@pytest.mark.deadline(180)
+@pytest.mark.parametrize("start_method", ["spawn"])
+def test_the_load_stage_under_spawn(start_method: str) -> None:
+    """The source, its load and the options travel pickled; skips still come back."""
+    logging.getLogger("aioloader").disabled = True
+    try:
+        with aioloader.DataLoader(AsyncKeys(always_fail=frozenset({11})), 40, batch_size=4,
+                                  num_workers=2, start_method=start_method, concurrency=4,
+                                  on_error="skip", max_instances_in_memory=8,
+                                  quiet=True) as loader:
+            got = sorted(k for b in keys_of(loader) for k in b)
+            skipped = {s.key for s in loader.skipped}  # (the next epoch's prefetch too)
+        with aioloader.DataLoader(Names(12), batch_size=4, num_workers=2,
+                                  start_method=start_method, load_fn=load_name_blocking,
+                                  quiet=True) as names:
+            assert [b["k"].tolist() for b in names] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                        [8, 9, 10, 11]]
+    finally:
+        logging.getLogger("aioloader").disabled = False
+    assert got == [k for k in range(40) if k != 11]
+    assert skipped == {11}
+
+
+@pytest.mark.deadline(120)
+def test_two_loaders_with_load_stages_at_once_and_one_dropped() -> None:
+    """Users keep several loaders alive, and drop some unclosed: nothing mixes or leaks."""
+    a = aioloader.DataLoader(Keys(delay=0.001), 30, batch_size=5, num_workers=2,
+                             concurrency=4, quiet=True)
+    b = aioloader.DataLoader(AsyncItems(30), batch_size=5, num_workers=2, concurrency=4,
+                             quiet=True)
+    got_a, got_b = [], []
+    for x, y in zip(a, b, strict=True):
+        got_a += x["k"].tolist()
+        got_b += y["k"].tolist()
+    assert sorted(got_a) == list(range(30)) and got_b == list(range(30))
+    it = iter(aioloader.DataLoader(Keys(), 100, batch_size=5, num_workers=2, quiet=True,
+                                   concurrency=8))
+    next(it)
+    del it  # dropped half-way, never closed: the collector's backstop stops its workers
+    a.close()
+    b.close()
