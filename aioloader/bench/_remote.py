@@ -19,7 +19,7 @@ fresh forked process, reads the first objects of the store, decodes each to a ui
 A run reads ``PER_INFLIGHT`` objects per request it keeps in flight (up to the store), so a
 slow configuration takes seconds, not minutes. Rates are timed from the first batch to the
 last; the server's CPU share and the machine's over the same window say who was busy. Memory
-is the peak growth, sampled every ``SAMPLE_S``, of the private anonymous pages of the
+is the peak growth, sampled every ``_footprint.SAMPLE_S``, of the private anonymous pages of the
 consumer and its workers (summed) plus their shared-memory pages (the arena, counted once).
 """
 
@@ -33,11 +33,10 @@ import importlib
 import os
 import statistics
 import sys
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,8 +44,9 @@ from torch.utils.data import Dataset, default_collate
 
 import aioloader
 from aioloader.readers import FsspecReader
-from aioloader.testing import ObjectServer, members, object_server
+from aioloader.testing import ObjectServer, object_server
 
+from ._footprint import Busy, Footprint
 from ._measure import Face, LoopName, _Clock, run_on
 from ._peers import Setup, torch_loader
 from ._runner import MeasurementError, isolated_call
@@ -61,8 +61,6 @@ DEFAULT_CONCURRENCY = (1, 8, 32, 128)
 QUICK_CONCURRENCY = (1, 8)
 PER_INFLIGHT = 400  # objects a run reads per request in flight (so ~8 s at 20 ms each)
 CEILING_INFLIGHT = 256
-SAMPLE_S = 0.01  # the memory sampler's period
-LIST_EVERY = 5  # samples: how often the sampler looks for new worker processes
 TORCH_RATIO_TARGET = (32, 15.0)  # issue 11: at c=32, at least 15x torch
 
 
@@ -255,125 +253,17 @@ async def _ceiling(urls: list[str], inflight: int) -> tuple[float, int]:
 
 # ------------------------------------------------------------------- one run, in a child
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _run_pids() -> list[int]:
-    """This run's processes: the measuring child leads its own group (``isolated_call``)."""
-    return members(group=os.getpgid(0)) or [os.getpid()]
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return 0.0
-    fields = data[data.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return (sum(ticks[:8]) - idle) / _TICK
-
-
-@dataclass
-class _Busy:
-    """CPU seconds of the server, of the run's processes (the client: consumer, workers) and
-    of the whole machine, between the first and the last ``mark``."""
-
-    server: int  # its pid
-    marks: list[tuple[float, float, float, float]] = field(default_factory=list)
-
-    def mark(self) -> None:
-        client = sum(_cpu_s(pid) for pid in _run_pids())
-        self.marks.append((time.perf_counter(), _cpu_s(self.server), client,
-                           _machine_busy_s()))
-
-    def figures(self) -> Result:
-        (t0, s0, c0, m0), (t1, s1, c1, m1) = self.marks[0], self.marks[-1]
-        wall = max(t1 - t0, 1e-9)
-        return {"server_cores": (s1 - s0) / wall, "client_cores": (c1 - c0) / wall,
-                "machine_cores": (m1 - m0) / wall}
-
-
-class _Footprint:
-    """Peak growth of the run's memory (consumer and workers), sampled from a thread.
-
-    Per sample: the anonymous pages (``RssAnon``) each process holds above this process's
-    first sample (workers are forked from it), summed, plus the largest growth of
-    shared-memory pages (``RssShmem``: the arena, mapped by the consumer and every worker,
-    counted once).
-    """
-
-    def __init__(self) -> None:
-        self.base: dict[int, tuple[int, int]] = {}
-        self.me = os.getpid()
-        self.pids = _run_pids()
-        self.peak = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="footprint", daemon=True)
-        self._sample()
-        self.thread.start()
-
-    def _run(self) -> None:
-        samples = 0
-        while not self.stop.wait(SAMPLE_S):
-            samples += 1
-            if samples % LIST_EVERY == 0:  # listing means reading every /proc/<pid>/stat
-                self.pids = _run_pids()
-            self._sample()
-
-    def _sample(self) -> None:
-        anon = shmem = 0
-        for pid in self.pids:
-            now = _rss_kb(pid)
-            if now is None:
-                continue
-            # a worker forked from this process started from its pages: its growth counts
-            # from this process's first sample, however late the sampler first sees it
-            base = self.base.setdefault(pid, self.base.get(self.me, now))
-            anon += max(0, now[0] - base[0])
-            shmem = max(shmem, now[1] - base[1])
-        self.peak = max(self.peak, anon + shmem)
-
-    def growth_mb(self) -> float:
-        self.stop.set()
-        self.thread.join()
-        self._sample()
-        return self.peak * 1024 / 1e6
-
-
-def _rss_kb(pid: int) -> tuple[int, int] | None:
-    """(RssAnon, RssShmem) of ``pid`` in KiB, or None if it is gone."""
-    values = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(("RssAnon:", "RssShmem:")):
-                    key, value = line.split(":", 1)
-                    values[key] = int(value.split()[0])
-    except OSError:
-        return None
-    return values.get("RssAnon", 0), values.get("RssShmem", 0)
-
-
 def measure_run(run: Run, plan: RemotePlan, server: ObjectServer) -> Result:
     """``run`` here: its rate, the CPU shares over the timed window, and its memory growth."""
     n = plan.count if run.side == "ceiling" else plan.objects(run.inflight(plan))
     urls = [server.object_url(name) for name in server.names[:min(n, len(server.names))]]
-    busy = _Busy(server.pid)
+    busy = Busy(server.pid)
     # Imported here, before any worker forks and before the memory is sampled, on every side
     for module in ("aiohttp", "fsspec.implementations.http", "spdl.pipeline"):
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
     gc.collect()
-    footprint = _Footprint()
+    footprint = Footprint()
     out: Result = {"objects": len(urls)}
     if run.side == "ceiling":
         busy.mark()
@@ -401,7 +291,7 @@ def measure_run(run: Run, plan: RemotePlan, server: ObjectServer) -> Result:
     return {**out, **figures, **busy.figures(), "peak_mb": footprint.growth_mb()}
 
 
-def _consume(batches: Iterable[Any], clock: _Clock, busy: _Busy) -> None:
+def _consume(batches: Iterable[Any], clock: _Clock, busy: Busy) -> None:
     for batch in batches:
         clock.arrived(batch)
         if len(clock.stamps) == 1:
@@ -410,7 +300,7 @@ def _consume(batches: Iterable[Any], clock: _Clock, busy: _Busy) -> None:
 
 
 def _consume_aioloader(plan: RemotePlan, urls: list[str], c: int, clock: _Clock,
-                       busy: _Busy) -> Result:
+                       busy: Busy) -> Result:
     def stats(loader: aioloader.DataLoader) -> Result:
         s = loader.stats()
         clock.data_stall = s.data_stall
