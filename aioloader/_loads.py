@@ -33,6 +33,7 @@ from ._sources import fetch as fetch_items
 log = logging.getLogger("aioloader")
 
 OnError = Literal["raise", "skip"]
+OwnLoad = Literal["loading", "load", "getitem"]  # which of the source's own is the load
 ALL_SKIPPED = "all skipped"  # the mark of a map-style batch whose every key was skipped
 DEFAULT_CONCURRENCY = 8
 # So many keys failing one after the other is an outage, not bad keys: "skip" stops there.
@@ -137,9 +138,10 @@ class SkippedLoad:
 class LoadOptions:
     """The loader's load-stage options, as data (pickled into each worker's spec).
 
-    ``load_fn``: the user's load function; None: the source's own (``loading()``, an async
-    ``load(key)``, or a coroutine ``__getitem__``). ``keyed``: a map-style dataset's items
-    are keys for ``load_fn`` (else its indices are the keys of its async ``__getitem__``).
+    ``load_fn``: the user's load function; None: the source's own, ``own`` says which
+    (``loading()``, an async ``load(key)``, or a coroutine ``__getitem__``). ``keyed``: a
+    map-style dataset's items are keys for ``load_fn`` (else its indices are the keys of its
+    async ``__getitem__``).
     """
 
     load_fn: Callable[[Any], Any] | None
@@ -148,6 +150,7 @@ class LoadOptions:
     retry: Retry
     on_error: OnError
     keyed: bool = False
+    own: OwnLoad | None = None
 
 
 def load_options(source: Any, kind: Kind, *, load_fn: Callable[[Any], Any] | None,
@@ -161,8 +164,8 @@ def load_options(source: Any, kind: Kind, *, load_fn: Callable[[Any], Any] | Non
     if load_fn is not None and not callable(load_fn):
         raise ValueError(f"load_fn must be callable (key -> instance), got "
                          f"{type(load_fn).__name__}")
-    own = load_fn is None and has_own_load(source, kind)
-    if load_fn is None and not own:
+    own = own_load(source, kind) if load_fn is None else None
+    if load_fn is None and own is None:
         given = [name for name, value, default in (
             ("concurrency", concurrency, None), ("ordered", ordered, True),
             ("retries", retries, 0), ("on_error", on_error, "raise")) if value != default]
@@ -183,17 +186,22 @@ def load_options(source: Any, kind: Kind, *, load_fn: Callable[[Any], Any] | Non
                          "dataset's batches follow its sampler (loads overlap either way)")
     policy: OnError = "skip" if on_error == "skip" else "raise"
     return LoadOptions(load_fn, concurrency, ordered, retry, policy,
-                       keyed=kind is Kind.MAP and load_fn is not None)
+                       keyed=kind is Kind.MAP and load_fn is not None, own=own)
 
 
-def has_own_load(source: Any, kind: Kind) -> bool:
-    """The source brings its load stage: ``loading()``, an ``async def load(key)``, or (a
-    map-style dataset) an ``async def __getitem__``. A plain ``load`` method is not taken
-    as one (a reader may have a ``load`` for something else): pass ``load_fn=reader.load``."""
+def own_load(source: Any, kind: Kind) -> OwnLoad | None:
+    """Which load stage the source brings, if any: ``loading()``, an ``async def
+    load(key)``, or (a map-style dataset) an ``async def __getitem__``. A plain ``load``
+    method is not taken as one (a reader may have a ``load`` for something else): pass
+    ``load_fn=reader.load``."""
     if kind is Kind.MAP:
-        return inspect.iscoroutinefunction(getattr(type(source), "__getitem__", None))
-    return callable(getattr(source, "loading", None)) or inspect.iscoroutinefunction(
-        getattr(source, "load", None))
+        coroutine = inspect.iscoroutinefunction(getattr(type(source), "__getitem__", None))
+        return "getitem" if coroutine else None
+    if callable(getattr(source, "loading", None)):
+        return "loading"
+    if inspect.iscoroutinefunction(getattr(source, "load", None)):
+        return "load"
+    return None
 
 
 Report = Callable[[SkippedLoad], Awaitable[None] | None]
@@ -222,14 +230,13 @@ class LoadStage:
 
     async def __aenter__(self) -> LoadStage:
         fn = self.options.load_fn
-        if fn is None:
-            loading = getattr(self.source, "loading", None)
-            if callable(loading):
-                fn = await self._stack.enter_async_context(loading())
-            elif self.options.keyed or not hasattr(self.source, "load"):
-                fn = self.source.__getitem__
-            else:
-                fn = self.source.load
+        own = self.options.own  # decided once, by load_options()
+        if own == "loading":
+            fn = await self._stack.enter_async_context(self.source.loading())
+        elif own == "getitem":
+            fn = self.source.__getitem__
+        elif own == "load":
+            fn = self.source.load
         assert fn is not None
         self._call = self._wrap(fn)
         return self
@@ -373,11 +380,6 @@ class LoadStage:
             for task in tasks:
                 task.cancel()
         return [x for x in got if not isinstance(x, SkippedLoad)]
-
-
-def loaded_only(items: Iterable[Any]) -> list[Any]:
-    """``items`` without the :class:`SkippedLoad` markers."""
-    return [x for x in items if not isinstance(x, SkippedLoad)]
 
 
 class SkipLog:

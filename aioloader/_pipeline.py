@@ -48,13 +48,9 @@ class ShardPass:
 
     def feed(self, instance: Any) -> list[tuple[list[Any], Mark]]:
         self.taken += 1
-        if isinstance(instance, SkippedLoad):  # its key counts; nothing to batch
-            if self.batcher.filled == 0:  # the next block starts after it
-                self.starts[self.batcher.block] = self.shard.mark(self.batcher.block,
-                                                                  self.taken)
-            return []
-        groups = self.batcher.feed(instance)
-        if self.batcher.filled == 0:  # a block just closed: the next one starts here
+        # A key skipped on error counts for the position, and has nothing to batch.
+        groups = [] if isinstance(instance, SkippedLoad) else self.batcher.feed(instance)
+        if self.batcher.filled == 0:  # a block closed (or has not begun): it starts here
             self.starts[self.batcher.block] = self.shard.mark(self.batcher.block, self.taken)
         return self._marked(groups) if groups else []
 
