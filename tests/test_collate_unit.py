@@ -318,6 +318,37 @@ def test_pad_infers_the_dtype_torch_infers() -> None:
     assert pc([[], [1, 2]]).tolist() == [[-1, -1], [1, 2]]
 
 
+@pytest.mark.parametrize("rows", [
+    [[1, 2, 3], [4]],
+    [[0.1, 1e-50], [1e40, float("inf"), -0.0]],
+    [[1, 2.5], [3]],  # ints and floats: the default float dtype
+    [[True], [False, True]],
+    [[True, 2], [3]],  # bools among ints: int64
+    [[2**62, -(2**63)], [1]],
+    [[np.float64(2.0), 1.0], [3.0]],  # one numpy float64 makes the whole float64
+    [[1 + 2j], [3, 4]],
+])
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+def test_pad_lists_give_torch_tensor_values_and_dtype(rows: list[list[Any]],
+                                                       default: torch.dtype) -> None:
+    # The fast path (ints, or ints and floats, through a C array) must be torch.tensor's
+    # values and dtype to the bit, whatever the default dtype.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        out = PadCollate(pad_value=0)(rows)
+        want = torch.tensor([v for row in rows for v in row])
+    finally:
+        torch.set_default_dtype(before)
+    got = out[torch.arange(out.shape[1]) < torch.tensor([[len(r)] for r in rows])]
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_pad_lists_beyond_int64_fail_as_torch_does() -> None:
+    with pytest.raises(TypeError, match="cannot pad"):
+        PadCollate()([[2**63, 1], [1]])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8, torch.uint8])
 def test_pad_keeps_tensor_dtype(dtype: torch.dtype) -> None:
     out = PadCollate(pad_value=7)([torch.ones(1, dtype=dtype), torch.ones(3, dtype=dtype)])
