@@ -411,7 +411,7 @@ def _numbers_tensor(flat: list[Any]) -> torch.Tensor:
     with contextlib.suppress(OverflowError):  # beyond int64: torch's own error
         if kinds == _INTS:
             return torch.frombuffer(array.array("q", flat), dtype=torch.int64)
-        if kinds == _FLOATS or kinds == _INTS_AND_FLOATS:
+        if kinds in (_FLOATS, _INTS_AND_FLOATS):
             doubles = torch.frombuffer(array.array("d", flat), dtype=torch.float64)
             return doubles.to(torch.get_default_dtype())
     return torch.tensor(flat)
