@@ -181,12 +181,12 @@ def _keep(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
 
 
 def _collate_floats(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return torch.tensor(batch, dtype=torch.float64)
+    return _numbers_tensor(batch, torch.float64)
 
 
 def _collate_ints(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
     # bools land here too, as in torch: torch.tensor infers torch.bool for them.
-    return torch.tensor(batch)
+    return _numbers_tensor(batch)
 
 
 def _collate_numpy_scalars(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
@@ -402,19 +402,21 @@ def _pad_lists(batch: Sequence[Any], path: _Path, pad_value: int | float) -> tor
     return out
 
 
-def _numbers_tensor(flat: list[Any]) -> torch.Tensor:
-    """``torch.tensor(flat)``, through a C array where the items are all ints, or ints and
-    floats: torch converts item by item, 4-10x slower (3.7 ms against 0.4 ms for a text
-    batch of 8,400 token ids). Any other mix keeps torch's own inference (one numpy
-    float64 makes it float64, bools make bool)."""
+def _numbers_tensor(flat: Sequence[Any], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(flat, dtype=dtype)``, through a C array where the items are all ints,
+    or ints and floats: torch converts item by item, 4-10x slower (3.7 ms against 0.4 ms
+    for a text batch of 8,400 token ids; 22 us against 3 us for 64 labels). Any other mix
+    keeps torch's own inference (one numpy float64 makes it float64, bools make bool)."""
     kinds = set(map(type, flat))
-    with contextlib.suppress(OverflowError):  # beyond int64: torch's own error
-        if kinds == _INTS:
-            return torch.frombuffer(array.array("q", flat), dtype=torch.int64)
-        if kinds in (_FLOATS, _INTS_AND_FLOATS):
+    with contextlib.suppress(OverflowError):  # beyond int64 or double: torch's own error
+        if kinds == _INTS and dtype is None:
+            return torch.frombuffer(array.array("q", flat), dtype=torch.int64).clone()
+        if kinds in (_INTS, _FLOATS, _INTS_AND_FLOATS) and (
+                dtype is not None or kinds != _INTS):
             doubles = torch.frombuffer(array.array("d", flat), dtype=torch.float64)
-            return doubles.to(torch.get_default_dtype())
-    return torch.tensor(flat)
+            # A tensor of its own, resizable like torch.tensor's (not the array's memory).
+            return doubles.to(dtype or torch.get_default_dtype(), copy=True)
+    return torch.tensor(flat, dtype=dtype)
 
 
 _INTS, _FLOATS, _INTS_AND_FLOATS = {int}, {float}, {int, float}

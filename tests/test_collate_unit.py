@@ -344,6 +344,16 @@ def test_pad_lists_give_torch_tensor_values_and_dtype(rows: list[list[Any]],
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("samples", [
+    [1, 2, 3], [2**62, -(2**63)], [True, False], [True, 2], [np.int64(3), 4],
+    [1.5, 2.0], [1.5, 2], [0.1, 1e-50, float("inf"), -0.0], [np.float64(2.0), 1.0],
+])
+def test_numbers_collate_to_torch_values_and_dtype(samples: list[Any]) -> None:
+    out, want = default_collate(samples), torch_collate(samples)
+    assert out.dtype == want.dtype and torch.equal(out, want)
+    out.resize_(8)  # a tensor of its own, as torch's is
+
+
 def test_pad_lists_beyond_int64_fail_as_torch_does() -> None:
     with pytest.raises(TypeError, match="cannot pad"):
         PadCollate()([[2**63, 1], [1]])
