@@ -40,8 +40,12 @@ class _TooDeep(Exception):
 
 
 def _is_plain_tensor(t: torch.Tensor) -> bool:
-    return (t.layout == torch.strided and t.device.type == "cpu" and not t.is_quantized
-            and not t.is_nested and type(t) is torch.Tensor)
+    # is_cpu, not device.type: building a device object costs 0.8 us, this runs per tensor.
+    return (type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided
+            and not t.is_quantized and not t.is_nested)
+
+
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
 
 
 def tensors_nbytes(obj: Any, depth: int = 0) -> int:
@@ -50,11 +54,16 @@ def tensors_nbytes(obj: Any, depth: int = 0) -> int:
     Never less than what ``encode`` places in the slot (a slot sized by it must hold the
     batch); where ``encode`` pickles a container holding tensors, it may count more.
     """
+    cls = type(obj)
+    if cls in _LEAVES:  # the common leaves first: this runs once a batch
+        return 0
     if isinstance(obj, torch.Tensor):
-        return align(obj.numel() * obj.element_size()) if _is_plain_tensor(obj) else 0
+        return align(obj.nbytes) if _is_plain_tensor(obj) else 0
     if depth >= _MAX_DEPTH:
         return 0
     depth += 1
+    if cls is dict:
+        return sum(tensors_nbytes(k, depth) + tensors_nbytes(v, depth) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
         return sum(tensors_nbytes(v, depth) for v in obj)
     rebuilt = _rebuilt(obj)
