@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +40,12 @@ def move_to(obj: Any, device: torch.device) -> Any:
 
 def pin(obj: Any) -> Any:
     """``obj`` with every CPU tensor in it in page-locked memory (``pin_memory=True``), as
-    torch's pin-memory thread does; the copy to a GPU can then overlap (non_blocking)."""
+    torch's pin-memory thread does; the copy to a GPU can then overlap (non_blocking).
+
+    Fresh pages per batch (from torch's caching host allocator), never the staging ring's:
+    the consumer owns its batch for as long as it likes, while a ring buffer is refilled two
+    batches later. With a CUDA target nothing is pinned here: the ring already is.
+    """
     return _map_tensors(obj, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 
@@ -51,8 +58,16 @@ def can_pin() -> bool:
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, in :func:`_tensors`' order."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # A shallow copy, then its fields replaced: no __init__ or __post_init__ runs, and
+        # frozen or slotted dataclasses work too (the codec rebuilds them the same way).
+        new = copy.copy(obj)
+        for field in dataclasses.fields(obj):
+            object.__setattr__(new, field.name, _map_tensors(getattr(obj, field.name), fn))
+        return new
     if isinstance(obj, Mapping):
         items = {k: _map_tensors(v, fn) for k, v in obj.items()}
         try:
@@ -64,3 +79,18 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(v, fn) for v in obj)
     return obj
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``, in the order :func:`_map_tensors` visits them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, field.name))
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)

@@ -22,6 +22,7 @@ from ._distributed import all_reduce
 from ._errors import LoaderBusyError
 from ._session import PassDone, Session
 from ._sources import Kind
+from ._staging import Stager
 from ._supervisor import GRACE
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class Epoch:
         self._done = False
         self._bar: Any = None
         self._backstop: weakref.finalize[Any, Any] | None = None
+        self._stager: Stager | None = None  # made on the first batch bound for CUDA
 
     def __aiter__(self) -> Epoch:
         return self
@@ -170,14 +172,25 @@ class Epoch:
                     # Batches that were already waiting would otherwise come back to back
                     # without the loop running anything else in between.
                     await asyncio.sleep(0)
-                value = pin(step.value) if loader._pin else step.value
-                return value if self._device is None else move_to(value, self._device)
+                return self._to_target(step.value)
         except BaseException as exc:
             # After an error nobody waits for the workers' last words: no grace.
             await self._finish(stop=True, grace=0.0 if isinstance(exc, Exception) else GRACE)
             raise
         await self._finish(stop=False)
         raise StopAsyncIteration
+
+    def _to_target(self, value: Any) -> Any:
+        """The batch where the consumer wants it: through the pinned ring to CUDA,
+        pinned (``pin_memory=True``) on the CPU, or moved with ``.to()`` elsewhere."""
+        device = self._device
+        if device is not None and device.type == "cuda":
+            if self._stager is None:
+                self._stager = Stager(device)
+            return self._stager.stage(value)
+        if self._loader._pin:
+            value = pin(value)
+        return value if device is None else move_to(value, device)
 
     def _handed(self, began: float, nbytes: int) -> None:
         """Telemetry for a batch about to be handed over: the meter, the bar, the log."""

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._loops import loop_factory
+from ._staging import consumer_stream, handing_to
 
 T = TypeVar("T")
 
@@ -218,7 +219,7 @@ class SyncLoader:
         try:
             while True:
                 try:
-                    batch = portal.call(_anext(epoch))
+                    batch = portal.call(_anext(epoch, consumer_stream(self.device)))
                 except StopAsyncIteration:
                     return
                 yield batch
@@ -227,7 +228,9 @@ class SyncLoader:
                 portal.call(_aclose(epoch))
 
 
-async def _anext(it: AsyncIterator[Any]) -> Any:
+async def _anext(it: AsyncIterator[Any], stream: Any = None) -> Any:
+    # The caller's CUDA stream, for a loop that runs in another thread (see _staging).
+    handing_to.set(stream)
     return await it.__anext__()
 
 
