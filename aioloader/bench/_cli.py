@@ -14,11 +14,18 @@ from ._measure import Result, Spec
 from ._remote import REMOTE
 from ._report import Row, Target, machine_lines, summarise, table, target_lines, targets
 from ._resume import RESUME, ResumePlan
-from ._runner import MeasurementError, Plan, default_batches, isolated, run_workload
-from ._workloads import ALL, pillow_missing
+from ._runner import (
+    LAG_MIN_S,
+    MeasurementError,
+    Plan,
+    default_batches,
+    isolated,
+    run_workload,
+)
+from ._workloads import ALL, FIRST, LAG, WORKLOADS, pillow_missing
 
 DEFAULT_WORKLOADS = ALL
-CHOICES = (*ALL, RESUME, REMOTE)  # these measure something else: only when asked for
+CHOICES = (*ALL, FIRST, RESUME, REMOTE)  # these measure something else: only when asked for
 SPECIAL = (RESUME, REMOTE)
 
 
@@ -67,8 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``aioloader bench``."""
     parser.add_argument("--workloads", type=_workloads, default=DEFAULT_WORKLOADS,
                         help=f"comma-separated, from {','.join(CHOICES)} (default: "
-                        f"{','.join(ALL)}); {RESUME!r} times load_state_dict() to the first "
-                        "batch against torchdata's StatefulDataLoader (--resume-* options); "
+                        f"{','.join(ALL)}); {FIRST!r} times DataLoader(...) to the first "
+                        "batch of a fresh loader (with the --start-method given); "
+                        f"{RESUME!r} times load_state_dict() to the first batch against "
+                        "torchdata's StatefulDataLoader (--resume-* options); "
                         f"{REMOTE!r} fetches objects from a local HTTP server with 20 ms "
                         "latency: aioloader's load stage against torch and SPDL (--concurrency)")
     parser.add_argument("--num-workers", type=_at_least(0), default=2,
@@ -95,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'torch': pass collate_fn=torch.utils.data.default_collate "
                         "explicitly to every loader, where the workload has no collate of its "
                         "own (default none: each loader's default)")
+    parser.add_argument("--lag", action="store_true",
+                        help="also run each throughput workload, in the same pairs, with a 1 ms "
+                        "ticker on the event loop beside aioloader's `async for` and beside "
+                        "torch's loader iterated in the loop (`await asyncio.sleep(0)` between "
+                        f"batches), each streaming at least {LAG_MIN_S:g} s; adds lag "
+                        "p50/p99/max rows. Separate runs: the throughput rows are measured "
+                        "without the ticker")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing")
@@ -143,12 +159,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         workloads = tuple(w for w in workloads if w != "decode")
     plan = Plan(num_workers=args.num_workers, start_method=args.start_method, pairs=pairs,
                 batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout),
-                peers=peers, collate=args.collate)
+                peers=peers, collate=args.collate, lag=args.lag,
+                lag_min_s=LAG_MIN_S / 10 if args.quick else LAG_MIN_S)
+    if args.lag and not any(w in WORKLOADS for w in workloads):
+        notes.append(f"--lag: no throughput workload to run beside ({', '.join(WORKLOADS)}); "
+                     f"{LAG!r} measures image's lag on its own")
     started = time.monotonic()
-    per_epoch = ", ".join(f"{w}={batches[w]}" for w in workloads if w not in SPECIAL)
+    per_epoch = ", ".join(f"{w}={batches[w]}" for w in workloads
+                          if w not in (*SPECIAL, FIRST))
     header = (f"aioloader bench: num_workers={plan.num_workers}, "
               f"start_method={plan.start_method}, face={plan.face}, loop={plan.loop}, "
               f"pairs={plan.pairs}, collate={plan.collate}"
+              + (f", lag runs >= {plan.lag_min_s:g} s (async for)" if plan.lag else "")
               + (f", peers: {', '.join(peers)}" if args.peers else "")
               + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
@@ -185,7 +207,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(table(rows))
         found = targets(rows, machine, plan.start_method)
         print()
-        print("targets (issue 5; medians over pairs):")
+        print("targets (issues 5 and 13; medians over pairs):")
         print(target_lines(found))
     if RESUME in args.workloads:
         raw[RESUME], resume_failed = _run_resume(args, pairs)
@@ -200,7 +222,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "config": {"num_workers": plan.num_workers, "start_method": plan.start_method,
                        "pairs": plan.pairs, "batches": plan.batches, "face": plan.face,
                        "loop": plan.loop, "workloads": list(args.workloads),
-                       "peers": list(plan.peers), "collate": plan.collate},
+                       "peers": list(plan.peers), "collate": plan.collate,
+                       "lag": plan.lag, "lag_min_s": plan.lag_min_s},
             "machine": machine,
             "workloads": raw,
             "targets": [t.__dict__ for t in found],
@@ -273,5 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 DESCRIPTION = (
     "Run aioloader and torch.utils.data.DataLoader on the same workloads (same num_workers, "
     "same start method, alternating runs, each in a fresh process) and print a side-by-side "
-    "table and issue 5's targets. The 'resume' workload (--workloads resume) compares "
-    "resuming an epoch mid-way with torchdata's StatefulDataLoader instead.")
+    "table and the issues' targets (--lag adds a ticker's lag on every workload; "
+    "--workloads first-batch times a fresh loader to its first batch). The 'resume' "
+    "workload (--workloads resume) compares resuming an epoch mid-way with torchdata's "
+    "StatefulDataLoader instead.")

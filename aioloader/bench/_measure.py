@@ -1,4 +1,5 @@
-"""One measurement in the current process: throughput, loop lag, or the machine's references."""
+"""One measurement in the current process: throughput, loop lag, time to the first batch, or
+the machine's references."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from ._workloads import WORKLOADS, CollateChoice, Workload, lag_workload
 
 T = TypeVar("T")
 Result = dict[str, Any]
-Kind = Literal["throughput", "lag", "refs"]
+Kind = Literal["throughput", "lag", "first", "refs"]
 Face = Literal["async", "sync"]
 LoopName = Literal["asyncio", "uvloop"]
 TICK = 0.001  # the loop-lag ticker's period, seconds
 EPOCHS = 2  # throughput runs span an epoch boundary
+LAG_MAX_EPOCHS = 50  # a lag run streams epochs until ``Spec.min_s`` has passed, at most these
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,9 @@ class Spec:
 
     ``side`` is "aioloader", "torch" or one of ``_peers.PEERS``; for the loop-lag runs also
     "torch-direct" (torch's iterator driven inside the loop) or "torch-executor"
-    (``loop.run_in_executor(None, next, it)``).
+    (``loop.run_in_executor(None, next, it)``). A lag run streams ``workload`` (image's
+    batches for "loop-lag"), epoch after epoch until ``min_s`` seconds have passed (one epoch
+    when 0). A "first" run times a fresh loader of tiny samples to its first batch.
     """
 
     kind: Kind
@@ -50,6 +54,7 @@ class Spec:
     face: Face = "async"
     loop: LoopName = "asyncio"
     collate: CollateChoice = "none"
+    min_s: float = 0.0  # lag runs: stream at least this long
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -65,6 +70,10 @@ def measure(spec: Spec) -> Result:
         return references(spec.loop)
     if spec.kind == "lag":
         return run_on(spec.loop, _loop_lag(spec))
+    if spec.kind == "first":
+        from ._first import first_batch  # it builds on this module's loaders
+
+        return first_batch(spec)
     return _throughput(spec)
 
 
@@ -177,8 +186,9 @@ def peer_setup(spec: Spec, workload: Workload) -> Setup:
 # ------------------------------------------------------------------------------ loop lag
 
 async def _loop_lag(spec: Spec) -> Result:
-    """How late a 1 ms ticker in the consuming loop wakes while image batches stream."""
-    workload = lag_workload()
+    """How late a 1 ms ticker in the consuming loop wakes while ``spec.workload`` streams,
+    and at worst before its first batch (the loader starting)."""
+    workload = lag_workload(spec.workload)
     dataset = workload.dataset(spec.batches * workload.batch_size)
     ticks: list[tuple[float, float]] = []  # (wake time, lateness)
     ticker = asyncio.create_task(_tick(ticks))
@@ -187,29 +197,38 @@ async def _loop_lag(spec: Spec) -> Result:
     try:
         if spec.side == "aioloader":
             async with aio_loader(spec, workload, dataset) as loader:
-                async for batch in loader:
-                    clock.arrived(batch)
+                while not _streamed_enough(clock, spec):
+                    async for batch in loader:
+                        clock.arrived(batch)
+                    clock.epoch_end()
         elif spec.side == "torch-direct":
             torch_direct = torch_loader(dataset, peer_setup(spec, workload))
-            for batch in torch_direct:
-                clock.arrived(batch)
-                await asyncio.sleep(0)  # what people do: let other tasks run between batches
+            while not _streamed_enough(clock, spec):
+                for batch in torch_direct:
+                    clock.arrived(batch)
+                    await asyncio.sleep(0)  # what people do: let other tasks run between batches
+                clock.epoch_end()
             del torch_direct
         elif spec.side == "torch-executor":
             loop = asyncio.get_running_loop()
             torch_exec = torch_loader(dataset, peer_setup(spec, workload))
-            it = iter(torch_exec)
-            while (batch := await loop.run_in_executor(None, next, it, None)) is not None:
-                clock.arrived(batch)
-            del it, torch_exec
+            while not _streamed_enough(clock, spec):
+                it = iter(torch_exec)
+                while (batch := await loop.run_in_executor(None, next, it, None)) is not None:
+                    clock.arrived(batch)
+                clock.epoch_end()
+                del it
+            del torch_exec
         else:
             raise ValueError(f"unknown loop-lag side {spec.side!r}")
     finally:
         ticker.cancel()
-    clock.epoch_end()
     gc.collect()
     first, last = clock.stamps[0], clock.stamps[-1]
-    lags = sorted(lag for at, lag in ticks if first <= at <= last)
+    # While batches stream: ticks that went to sleep once the first batch was there. The
+    # ones that slept before it measure how long starting the loader held the loop.
+    lags = sorted(lag for at, lag in ticks if first <= at - TICK - lag and at <= last)
+    start = [lag for at, lag in ticks if at - TICK - lag < first]
     if not lags:  # the loop never ran the ticker while batches arrived: one long block
         lags = [last - first]
     figures = clock.figures()
@@ -217,9 +236,20 @@ async def _loop_lag(spec: Spec) -> Result:
         "batches": figures["batches"],
         "batches_per_s": figures["batches_per_s"],
         "mb_per_s": figures["mb_per_s"],
+        "epochs": len(clock.epoch_ends),
         "ticks": len(lags),
         **lag_figures(lags),
+        "start_lag_ms": max(start, default=0.0) * 1e3,
     }
+
+
+def _streamed_enough(clock: _Clock, spec: Spec) -> bool:
+    """Whether a lag run has streamed an epoch and ``spec.min_s`` seconds (or its cap)."""
+    epochs = len(clock.epoch_ends)
+    if epochs == 0:
+        return False
+    return (epochs >= LAG_MAX_EPOCHS or len(clock.stamps) < 2
+            or clock.stamps[-1] - clock.stamps[0] >= spec.min_s)
 
 
 async def _tick(out: list[tuple[float, float]]) -> None:

@@ -15,11 +15,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..testing import members
-from ._measure import Face, LoopName, Result, Spec, measure
-from ._workloads import LAG, WORKLOADS, CollateChoice
+from ._measure import Face, Kind, LoopName, Result, Spec, measure
+from ._workloads import FIRST, FIRST_BATCHES, LAG, WORKLOADS, CollateChoice
 
 LAG_SIDES = ("aioloader", "torch-direct", "torch-executor")
 ZERO = "aioloader@0"  # aioloader with num_workers=0 (the tiny workload's extra reference)
+# --lag: a throughput workload's lag runs, in the same pairs as its throughput runs
+LAGGED = "lag:"  # prefix of those sides
+LAGGED_SIDES = (f"{LAGGED}aioloader", f"{LAGGED}torch-direct")
+LAG_MIN_S = 1.0  # each lag run streams epochs for at least this long (--quick: a tenth)
 
 
 class MeasurementError(Exception):
@@ -39,6 +43,8 @@ class Plan:
     timeout: float  # seconds one measurement may take
     peers: tuple[str, ...] = ()  # of _peers.PEERS: measured too, in every pair
     collate: CollateChoice = "none"
+    lag: bool = False  # also a 1 ms ticker's lag beside each throughput workload (--lag)
+    lag_min_s: float = LAG_MIN_S
 
 
 def isolated(spec: Spec, timeout: float) -> Result:
@@ -85,6 +91,9 @@ def isolated_call(fn: Callable[..., Result], args: tuple[Any, ...], timeout: flo
     if "error" in payload:
         raise MeasurementError(f"{what} raised:\n{payload['error']}")
     result: Result = payload["result"]
+    # multiprocessing's own helpers (spawn's resource tracker, the fork server) exit once the
+    # child is gone, a moment later: not something a loader left behind
+    leftovers = [pid for pid in leftovers if pid not in payload.get("helpers", ())]
     if leftovers:
         result["leftover_pids"] = leftovers
     return result
@@ -98,7 +107,7 @@ def _child(fn: Callable[..., Result], args: tuple[Any, ...], read_fd: int,
         os.setpgid(0, 0)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
-            payload: dict[str, Any] = {"result": fn(*args)}
+            payload: dict[str, Any] = {"result": fn(*args), "helpers": _mp_helpers()}
         except BaseException:  # noqa: BLE001 - the parent reports it
             payload = {"error": traceback.format_exc()}
         data = json.dumps(payload).encode()
@@ -108,6 +117,15 @@ def _child(fn: Callable[..., Result], args: tuple[Any, ...], read_fd: int,
         code = 1
     finally:
         os._exit(code)  # no atexit handlers or buffers of the parent's run twice
+
+
+def _mp_helpers() -> list[int]:  # pragma: no cover - the child
+    """Pids of the helper processes multiprocessing started in this process, if any."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = [getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)]
+    return [pid for pid in pids if isinstance(pid, int)]
 
 
 def _read_until_eof(fd: int, deadline: float) -> bytes:
@@ -155,25 +173,35 @@ def _exit_reason(status: int) -> str:
 def _describe(spec: Spec) -> str:
     if spec.kind == "refs":
         return "the reference measurement"
-    return f"{spec.workload} / {spec.side} (num_workers={spec.num_workers})"
+    what = " (with a 1 ms ticker)" if spec.kind == "lag" and spec.workload != LAG else ""
+    return f"{spec.workload} / {spec.side}{what} (num_workers={spec.num_workers})"
 
 
-def sides(workload: str, num_workers: int, peers: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The sides measured for ``workload``, in the order each pair runs them."""
+def sides(workload: str, num_workers: int, peers: tuple[str, ...] = (),
+          lag: bool = False) -> tuple[str, ...]:
+    """The sides measured for ``workload``, in the order each pair runs them; with ``lag``,
+    a throughput workload's lag runs too (``LAGGED_SIDES``)."""
     if workload == LAG:
         return LAG_SIDES
+    if workload == FIRST:
+        return ("aioloader", "torch", *peers)
+    lagged = LAGGED_SIDES if lag else ()
     if workload == "tiny" and num_workers > 0:
-        return ("aioloader", "torch", ZERO, *peers)
-    return ("aioloader", "torch", *peers)
+        return ("aioloader", "torch", ZERO, *peers, *lagged)
+    return ("aioloader", "torch", *peers, *lagged)
 
 
 def spec_for(plan: Plan, workload: str, side: str) -> Spec:
-    base = Spec(kind="lag" if workload == LAG else "throughput", side=side, workload=workload,
+    kind: Kind = "lag" if workload == LAG else "first" if workload == FIRST else "throughput"
+    base = Spec(kind=kind, side=side, workload=workload,
                 num_workers=plan.num_workers, start_method=plan.start_method,
                 batches=plan.batches[workload], face=plan.face, loop=plan.loop,
                 collate=plan.collate)
     if side == ZERO:
         return replace(base, side="aioloader", num_workers=0)
+    if side.startswith(LAGGED):  # always `async for`: lag is a property of the event loop
+        return replace(base, kind="lag", side=side.removeprefix(LAGGED), face="async",
+                       min_s=plan.lag_min_s)
     return base
 
 
@@ -181,7 +209,7 @@ def run_workload(plan: Plan, workload: str,
                  on_run: Callable[[str, int], None] | None = None) -> dict[str, list[Result]]:
     """Every side of ``workload``, alternating (A B A B ...), ``plan.pairs`` times."""
     runs: dict[str, list[Result]] = {
-        side: [] for side in sides(workload, plan.num_workers, plan.peers)}
+        side: [] for side in sides(workload, plan.num_workers, plan.peers, plan.lag)}
     for pair in range(plan.pairs):
         for side, results in runs.items():
             if on_run is not None:
@@ -196,4 +224,5 @@ def default_batches(quick: bool) -> dict[str, int]:
     batches[LAG] = batches["image"]
     if quick:
         batches = {name: max(3, n // 25) for name, n in batches.items()}
+    batches[FIRST] = FIRST_BATCHES  # one is consumed; the epoch's size hardly matters
     return batches

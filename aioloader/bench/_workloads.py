@@ -197,9 +197,17 @@ WORKLOADS: dict[str, Workload] = {
 }
 LAG = "loop-lag"  # streams the image workload while a 1 ms ticker runs in the loop
 ALL = (*WORKLOADS, LAG)
+FIRST = "first-batch"  # construction to the first batch of a fresh loader: only when asked
+FIRST_BATCHES = 8  # batches in the first-batch workload's epoch (one is consumed)
 
 
-def lag_workload() -> Workload:
-    """The workload that streams during the loop-lag measurement."""
-    return WORKLOADS["image"]
+def lag_workload(name: str = LAG) -> Workload:
+    """The workload that streams during a loop-lag measurement: ``name``'s, or image's for
+    the loop-lag workload itself."""
+    return WORKLOADS["image" if name == LAG else name]
+
+
+def first_workload() -> Workload:
+    """The first-batch workload's samples: tiny's, so that start-up is all there is to time."""
+    return WORKLOADS["tiny"]
 
