@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+# Imported with the package, not at an epoch's start: tqdm.auto takes 20-50 ms to import
+# (it looks for IPython), which would block the consumer's event loop (issue 13, start lag).
+from tqdm.auto import tqdm
+
 from ._device import move_to, pin
 from ._distributed import all_reduce
 from ._errors import LoaderBusyError
@@ -285,8 +289,6 @@ def _show_stall(bar: Any, loader: DataLoader) -> None:
 
 
 def _bar(loader: DataLoader) -> Any:
-    from tqdm.auto import tqdm
-
     total = loader.batches_per_epoch
     if total is None and (loader._kind is Kind.MAP or loader._cache is not None):
         total = len(loader)
