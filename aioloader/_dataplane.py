@@ -9,6 +9,10 @@ is sent). Nothing else counts slots: sessions ask for a batch and get a value.
 
 Slot ids run on across generations (generation g owns ids ``g * slots ... g * slots +
 slots - 1``), so a release can never be mistaken for a slot of another arena.
+
+A thread worker has no arena: it lives in this process, so its batch goes by reference. The
+same slots (:class:`RefPool`, :class:`RefLedger`) bound what it may have in flight; a
+:class:`Shelf` holds the batch under its slot id from ``publish`` until ``take``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ._arena import ArenaMap, Lease, create_file, round_slot_size
 from ._codec import copied_from, decode
@@ -90,7 +94,41 @@ class SlotPool:
             self.arena = None
 
 
+class Shelf:
+    """A thread worker's batches, by slot id, from publish until the parent takes them;
+    and its exception, by reference, when it fails (nothing is pickled in-process)."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, Any] = {}  # dict operations are atomic: two threads use it
+        self.error: BaseException | None = None
+
+
+class RefPool(SlotPool):
+    """A thread worker's slots: no arena; a filled slot is its batch on the shelf."""
+
+    def __init__(self, slots: int, shelf: Shelf) -> None:
+        super().__init__(slots, "")
+        self.shelf = shelf
+
+    def put(self, slot: int, batch: Any) -> None:
+        """Fill ``slot``; the header that publishes it is sent after (the socket orders
+        this write before the parent's read)."""
+        self.shelf.items[slot] = batch
+
+
 # ---------------------------------------------------------------------- parent side
+
+class Ledger(Protocol):
+    """What the supervisor asks of a worker's data plane, whatever carries the batches."""
+
+    def add_arena(self, fd: int, slots: int, slot_size: int) -> None: ...
+    def published(self, slot: int) -> None: ...
+    async def take(self, slot: int, nbytes: int, tree: Any, *, lease: bool = True) -> Any: ...
+    def skip(self, slot: int) -> None: ...
+    def reclaim(self) -> None: ...
+    def usage(self) -> ArenaStats: ...
+    def close(self) -> None: ...
+
 
 class SlotLedger:
     """The parent's account of one worker's slots (see the module docstring).
@@ -182,3 +220,39 @@ class SlotLedger:
         for arena in self.arenas.values():
             arena.close()
         self.arenas.clear()
+
+
+class RefLedger:
+    """The parent's account of a thread worker's slots: a batch is taken off the shelf as
+    it is (no copy, no lease: nothing else will write to it) and its slot goes back."""
+
+    def __init__(self, slots: int, send_release: Callable[[int], None], shelf: Shelf) -> None:
+        self.slots = slots
+        self.shelf = shelf
+        self._send_release = send_release
+        self._held = 0
+
+    def add_arena(self, fd: int, slots: int, slot_size: int) -> None:
+        raise RuntimeError("a thread worker sent an arena: it has none")
+
+    def published(self, slot: int) -> None:
+        self._held += 1
+
+    async def take(self, slot: int, nbytes: int, tree: Any, *, lease: bool = True) -> Any:
+        try:
+            return self.shelf.items.pop(slot)
+        finally:
+            self.skip(slot)
+
+    def skip(self, slot: int) -> None:
+        self._held -= 1
+        self._send_release(slot)
+
+    def reclaim(self) -> None:
+        pass  # nothing is leased
+
+    def usage(self) -> ArenaStats:
+        return ArenaStats(self.slots, self.slots - self._held, self._held, 0, 0)
+
+    def close(self) -> None:
+        self.shelf.items.clear()  # batches never taken

@@ -34,6 +34,7 @@ from ._supervisor import GRACE, RestartBudget
 from ._sync import Portal, SyncLoader, running_loop
 
 START_METHODS = ("fork", "spawn", "forkserver")
+WORKER_TYPES = ("process", "thread")
 
 
 class _Box:
@@ -78,6 +79,14 @@ class DataLoader:
     left running between epochs; each epoch starts its workers, and ``worker_init_fn``
     runs again, as with torch).
 
+    ``worker_type="thread"`` runs the workers as threads of this process instead: the same
+    sessions and API, but batches are handed over by reference (no shared memory, no copy),
+    ``start_method`` does not apply, the workers share this process's RNGs (they do not
+    reseed them; ``get_worker_info().seed`` is still per worker) and, as threads cannot be
+    killed or recycled, ``max_worker_restarts``, ``max_batches_per_worker`` and
+    ``max_worker_rss`` are refused. Pick it for work that releases the GIL (torch ops,
+    image decoding, I/O) or on free-threaded Python (docs/performance.md).
+
     Examples:
         >>> import aioloader
         >>> class Squares(aioloader.Reader):
@@ -102,6 +111,7 @@ class DataLoader:
         num_workers: int = 0,
         max_instances_in_memory: int | None = None,
         start_method: str = "fork",
+        worker_type: str = "process",
         cuda_device: DeviceLike | None = None,
         quiet: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -147,6 +157,9 @@ class DataLoader:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        _validate_worker_type(worker_type, max_worker_restarts=max_worker_restarts,
+                              max_batches_per_worker=max_batches_per_worker,
+                              max_worker_rss=max_worker_rss)
         self._kind = classify(reader)
         self._loads = load_options(reader, self._kind, load_fn=load_fn,
                                    concurrency=concurrency, ordered=ordered, retries=retries,
@@ -192,6 +205,7 @@ class DataLoader:
         self.num_workers = num_workers
         self.max_instances_in_memory = max_instances_in_memory
         self.start_method = start_method
+        self.worker_type = worker_type
         self.quiet = quiet
         self.collate_fn = collate_fn
         self.seed = seed
@@ -263,7 +277,8 @@ class DataLoader:
             seed=seed, rank=self._topo.rank, world_size=self._topo.world_size,
             timed=self.timeout is not None, budget=self._budget,
             max_batches=self.max_batches_per_worker, max_rss=self.max_worker_rss,
-            loads=self._loads, skips=self._skips, worker_init_fn=self.worker_init_fn)
+            loads=self._loads, skips=self._skips, worker_init_fn=self.worker_init_fn,
+            worker_type=self.worker_type)
 
     def _prefetch(self) -> int:
         """Batches in flight per worker (its slots): with a load stage, enough index
@@ -714,6 +729,20 @@ def _prefetch_of(prefetch: int | None, prefetch_factor: int | None, num_workers:
         raise ValueError(f"prefetch={prefetch} and prefetch_factor={prefetch_factor} are the "
                          "same option (batches in flight per worker): give one of them")
     return prefetch_factor
+
+
+def _validate_worker_type(worker_type: str, **process_only: int | None) -> None:
+    if worker_type not in WORKER_TYPES:
+        raise ValueError(f"worker_type must be one of {', '.join(map(repr, WORKER_TYPES))}; "
+                         f"got {worker_type!r}")
+    if worker_type == "thread":
+        given = [f"{name}={value!r}" for name, value in process_only.items() if value]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} cannot be used with worker_type='thread': threads share "
+                "this process's memory (no resident size of their own to watch) and cannot "
+                "be killed, so they are never restarted or recycled. Use "
+                "worker_type='process' for that")
 
 
 def _validate_torch(*, sampler: Any, shuffle: bool, batch_sampler: Any,

@@ -46,6 +46,7 @@ class Setup:
     loads: LoadOptions | None = None  # the load stage (issue 11): the source yields keys
     skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
     worker_init_fn: Callable[[int], object] | None = None  # torch's, once per worker process
+    worker_type: str = "process"  # or "thread": workers in this process, batches by reference
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
@@ -59,7 +60,8 @@ class Setup:
             # A cache-filling pass is read once: recycling is for the epochs' workers.
             max_batches=self.max_batches if role != "instances" else None,
             max_rss=self.max_rss if role != "instances" else None,
-            loads=self._loads_of(source), worker_init_fn=self.worker_init_fn)
+            loads=self._loads_of(source), worker_init_fn=self.worker_init_fn,
+            threaded=self.worker_type == "thread")
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
                           budget=self.budget, skips=self.skips)
 

@@ -1,4 +1,4 @@
-"""Owns the worker processes of one session: start, watch (socket + sentinel), stop, reap.
+"""Owns the worker processes (or threads) of one session: start, watch, stop, reap.
 
 The parent side of every worker is one non-blocking socket whose fd the running event loop
 watches with ``add_reader``, plus the process sentinel, watched the same way, so that a
@@ -8,7 +8,8 @@ outlive one event loop and serve the next.
 
 The supervisor turns wire messages into what sessions want (:class:`Delivered` values and
 :class:`Ended` passes) through each worker's :class:`~aioloader._dataplane.SlotLedger`; it
-has no batch logic of its own.
+has no batch logic of its own. Thread workers (``_threads.ThreadWorker``) go through the same
+paths: a handle that looks like a process, a socket, and a ledger of batches by reference.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import torch.multiprocessing
 
 from . import _wire as wire
-from ._dataplane import SlotLedger
+from ._dataplane import Ledger, RefLedger, Shelf, SlotLedger
 from ._errors import (
     LoaderClosedError,
     SourcePicklingError,
@@ -44,6 +45,7 @@ from ._errors import (
 from ._loads import SkipLog, SkippedLoad
 from ._position import ShardPosition
 from ._stats import ArenaStats, WorkerStats
+from ._threads import ThreadWorker
 from ._worker import WorkerSpec, worker_main
 
 # Processes are started from one long-lived thread: starting can block (spawn writes the
@@ -130,9 +132,9 @@ class WorkerState:
     """The parent's view of one worker."""
 
     id: int
-    process: BaseProcess
+    process: BaseProcess | ThreadWorker
     sock: socket.socket
-    ledger: SlotLedger
+    ledger: Ledger
     frames: wire.FrameReader = field(default_factory=wire.FrameReader)
     inbox: collections.deque[wire.Batch | wire.PassEnd | wire.Retiring] = field(
         default_factory=collections.deque)
@@ -183,7 +185,7 @@ class Supervisor:
 
     def check_picklable(self) -> None:
         """With spawn/forkserver the spec travels pickled: fail before starting anything."""
-        if self.start_method == "fork":
+        if self.start_method == "fork" or self.spec.threaded:
             return
         from multiprocessing.reduction import ForkingPickler
 
@@ -221,20 +223,29 @@ class Supervisor:
 
     def _spawn(self, spec: WorkerSpec) -> WorkerState:
         """A worker registered and submitted for starting (see :meth:`start`)."""
-        ctx: Any = torch.multiprocessing.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            # The server imports torch and aioloader once; each worker forks from it warm.
-            ctx.set_forkserver_preload(["aioloader._worker"])
         k = spec.worker_id
         parent, child = socket.socketpair()
         _PARENT_SOCKS.add(parent)
         parent.setblocking(False)
-        proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
-                           name=f"aioloader-worker-{k}")
         holder: list[WorkerState] = []  # a slot goes back to the process it belongs to
-        ledger = SlotLedger(self.spec.slots,
-                            lambda slot: self._send_to(holder[0], wire.Release(slot)),
-                            lease=self.lease)
+
+        def release(slot: int) -> None:
+            self._send_to(holder[0], wire.Release(slot))
+
+        proc: BaseProcess | ThreadWorker
+        ledger: Ledger
+        if spec.threaded:
+            shelf = Shelf()
+            proc = ThreadWorker(spec, child, shelf, f"aioloader-worker-{k}")
+            ledger = RefLedger(self.spec.slots, release, shelf)
+        else:
+            ctx: Any = torch.multiprocessing.get_context(self.start_method)
+            if self.start_method == "forkserver":
+                # The server imports torch and aioloader once; each worker forks from it warm.
+                ctx.set_forkserver_preload(["aioloader._worker"])
+            proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
+                               name=f"aioloader-worker-{k}")
+            ledger = SlotLedger(self.spec.slots, release, lease=self.lease)
         w = WorkerState(k, proc, parent, ledger)
         holder.append(w)
         w.starting = _STARTER.submit(_start_process, w, child)
@@ -311,7 +322,11 @@ class Supervisor:
     # ------------------------------------------------------------------ watch
 
     def attach(self) -> None:
-        """Watch every worker's socket and sentinel on the running loop."""
+        """Watch every worker's socket and sentinel on the running loop (none once closed:
+        a close from another thread can come between start and attach, and a thread
+        worker's reader can run before its parent attaches; receive() then says closed)."""
+        if self.closed:
+            return
         self._loop = asyncio.get_running_loop()
         for w in self.workers:
             self._watch(w)
@@ -605,12 +620,12 @@ class Supervisor:
         started = [w for w in everyone if w.started and not w.reaped]
         for w in started:
             w.process.join(max(0.0, deadline - time.monotonic()))
-        for escalate in (BaseProcess.terminate, BaseProcess.kill):
+        for escalate in ("terminate", "kill"):  # a thread: cancel it, then stop waiting
             alive = [w for w in started if w.process.exitcode is None]
             if not alive:
                 break
             for w in alive:
-                escalate(w.process)
+                getattr(w.process, escalate)()
             deadline = time.monotonic() + GRACE
             for w in alive:
                 w.process.join(max(0.0, deadline - time.monotonic()))
@@ -627,6 +642,10 @@ class Supervisor:
 
 def _start_process(w: WorkerState, child: socket.socket) -> None:
     """In the starter thread: start ``w``'s process, then drop the child's end."""
+    if isinstance(w.process, ThreadWorker):
+        w.process.start()  # the thread owns the child's end and closes it
+        w.started = True
+        return
     try:
         w.process.start()
         w.started = True
@@ -642,9 +661,12 @@ def _start_process(w: WorkerState, child: socket.socket) -> None:
 def _worker_error(w: WorkerState, msg: wire.Failed) -> WorkerError:
     """The worker's exception as the consumer sees it: a WorkerError that is also of the
     original's type where possible (``except KeyError:`` still works, as with torch), the
-    worker's traceback in its message, the original as its ``__cause__``."""
+    worker's traceback in its message, the original as its ``__cause__`` (a thread
+    worker's by reference, so even one that does not pickle)."""
     original: BaseException | None = None
-    if msg.pickled is not None:
+    if isinstance(w.ledger, RefLedger):
+        original = w.ledger.shelf.error
+    elif msg.pickled is not None:
         with contextlib.suppress(Exception):
             original = pickle.loads(msg.pickled)
     err = worker_error_for(

@@ -5,6 +5,11 @@ straight into a free slot of its arena, and sends a small header over its socket
 own event loop (uvloop when present) so that readers may be async generators. It stops when
 its socket reaches EOF (the parent closed it, or died), and on Linux the kernel kills it if
 the parent dies first (PR_SET_PDEATHSIG).
+
+A thread worker (``worker_type="thread"``, aioloader/_threads.py) serves the same
+:func:`serve` on a loop in a thread of the main process, its batches going by reference
+(a :class:`~aioloader._dataplane.Shelf`); everything process-wide is left alone there:
+signals, torch's thread count and collate map, the global RNGs, exiting.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from . import _wire as wire
 from ._arena import ArenaMap, SlotFull, SlotWriter
 from ._codec import encode, tensors_nbytes
 from ._collate import route_torch_collate_into_arena, use_allocator
-from ._dataplane import SlotPool
+from ._dataplane import RefPool, Shelf, SlotPool
 from ._info import WorkerInfo, set_worker_info
 from ._loads import ALL_SKIPPED, LoadOptions, LoadStage
 from ._pipeline import BatchOptions, ShardPass, collate_with
@@ -70,6 +75,7 @@ class WorkerSpec:
     loads: LoadOptions | None = None  # the source yields keys; this stage loads them
     # torch's worker_init_fn: called with the worker id once per process, after seeding
     worker_init_fn: Callable[[int], object] | None = None
+    threaded: bool = False  # worker_type="thread": a thread of the main process
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
@@ -99,7 +105,7 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     _detach_from_parent_signals(spec)
     from . import _loops
 
-    _loops.run(_serve(spec, sock))
+    _loops.run(serve(spec, sock))
 
 
 def _detach_from_parent_signals(spec: WorkerSpec) -> None:
@@ -129,12 +135,13 @@ def _detach_from_parent_signals(spec: WorkerSpec) -> None:
 class _Channel:
     """The worker's end of its socket: commands in, framed messages out, arena slots."""
 
-    def __init__(self, spec: WorkerSpec, sock: socket.socket) -> None:
+    def __init__(self, spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None) -> None:
         self.spec = spec
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.frames = wire.FrameReader()
-        self.pool = SlotPool(spec.slots, f"aioloader-w{spec.worker_id}")
+        self.pool = (SlotPool(spec.slots, f"aioloader-w{spec.worker_id}") if shelf is None
+                     else RefPool(spec.slots, shelf))
         self.tasks: collections.deque[wire.Task] = collections.deque()
         self.eof = False
         self.last_sent = self.started = time.monotonic()
@@ -251,6 +258,12 @@ class _Channel:
         if slot is None:
             return False
         pool = self.pool
+        if isinstance(pool, RefPool):  # a thread worker: the batch itself, by reference
+            payload = make()
+            pool.put(slot, payload)
+            busy = time.monotonic() - self.started - self.idle
+            await self.send(wire.Batch(slot, seq, tensors_nbytes(payload), None, mark, busy))
+            return True
         if pool.arena is None:
             payload = make()  # the first batch tells how large a slot must be
             slot = await self._grow(tensors_nbytes(payload), slot)
@@ -293,12 +306,17 @@ class _ParentGone(Exception):
     """The socket reached EOF: the parent closed it or died."""
 
 
-async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
-    chan = _Channel(spec, sock)
+async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = None) -> int:
+    """Serve the parent on ``sock`` until EOF; the exit code (a process exits with it).
+
+    ``shelf``: a thread worker's, for its batches and its exception, by reference.
+    """
+    chan = _Channel(spec, sock, shelf)
     info = WorkerInfo(spec.num_workers, spec.worker_id, spec.seed_for(spec.first_pass),
                       spec.rank, spec.world_size)
-    set_worker_info(info, dataset=spec.source)
-    _seed_everything(info.seed)
+    set_worker_info(info, dataset=spec.source, thread=spec.threaded)
+    if not spec.threaded:  # a thread would reseed the user's own process
+        _seed_everything(info.seed)
     try:
         if spec.worker_init_fn is not None:
             # As torch: after the seeds and worker info, before any data is read; in every
@@ -307,12 +325,14 @@ async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
             spec.worker_init_fn(spec.worker_id)
         async with contextlib.AsyncExitStack() as stack:
             stage = None
-            if spec.loads is not None:
-                # Loads in flight wait on the network, not on us: EOF (a close) cancels
-                # them at once, rather than after the parent's grace period.
+            if spec.loads is not None or spec.threaded:
+                # Loads in flight (or a thread's async reader) wait on the network, not on
+                # us: EOF (a close) cancels them at once, rather than after the parent's
+                # grace period, past which a thread could only be cancelled anyway.
                 serving = asyncio.current_task()
                 assert serving is not None
                 chan.on_eof = serving.cancel
+            if spec.loads is not None:
                 stage = await stack.enter_async_context(LoadStage(
                     spec.source, spec.loads, worker=spec.worker_id,
                     report=lambda s: chan.send(wire.Skipped(_plain(s.key), s.attempts,
@@ -328,22 +348,29 @@ async def _serve(spec: WorkerSpec, sock: socket.socket) -> None:
             raise
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we exit
         if chan.eof:
-            return
-        await _report(chan, exc)
+            return 0
+        await _report(chan, exc, shelf)
+        if shelf is not None:
+            return 1  # a thread ends; only its process may exit
         chan.close()
         sock.close()
         os._exit(1)
     finally:
         chan.close()
         sock.close()
+    return 0
 
 
-async def _report(chan: _Channel, exc: BaseException) -> None:
-    try:
-        pickled: bytes | None = pickle.dumps(exc)
-        pickle.loads(pickled)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - the traceback text still reaches the parent
-        pickled = None
+async def _report(chan: _Channel, exc: BaseException, shelf: Shelf | None) -> None:
+    pickled: bytes | None = None
+    if shelf is not None:
+        shelf.error = exc  # the parent is in this process: the exception itself
+    else:
+        try:
+            pickled = pickle.dumps(exc)
+            pickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - the traceback text still reaches the parent
+            pickled = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     with contextlib.suppress(OSError):
         await chan.send(wire.Failed(repr(exc), tb, pickled))
@@ -436,8 +463,8 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None)
     while True:
         seed = spec.seed_for(pass_no)
         set_worker_info(WorkerInfo(spec.num_workers, spec.worker_id, seed, spec.rank,
-                                   spec.world_size), dataset=spec.source)
-        if seed != seeded:  # not again: a worker_init_fn's own seeding would be undone
+                                   spec.world_size), dataset=spec.source, thread=spec.threaded)
+        if seed != seeded and not spec.threaded:  # not again: worker_init_fn's seeding stays
             _seed_everything(seed)
         seeded = -1
         sent = 0

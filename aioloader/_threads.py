@@ -1,0 +1,185 @@
+"""Thread workers (``worker_type="thread"``): a worker's loop in a thread of this process.
+
+The supervisor runs a thread worker as it runs a process: :class:`ThreadWorker` has the
+part of ``multiprocessing.Process`` it uses (start, pid, a sentinel fd, exitcode, join,
+terminate, kill, close), and the worker is the same :func:`~aioloader._worker.serve`
+coroutine on the other end of a ``socketpair``, on its own event loop. Only the data plane
+differs: batches go by reference (:class:`~aioloader._dataplane.Shelf`), not through an
+arena.
+
+Threads cannot be killed. ``terminate()`` cancels the worker's serving task on its loop, so
+a worker that awaits stops at once; one stuck in code that never returns to its loop runs on
+until it does, and ``kill()`` only stops waiting for it (it is a daemon thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.utils.data._utils.collate as torch_collate
+
+from . import _loops
+from ._dataplane import Shelf
+from ._info import get_worker_info, hook_torch
+from ._worker import WorkerSpec, serve
+
+log = logging.getLogger("aioloader")
+
+# Live thread workers: a child forked meanwhile (a worker process of another loader) must
+# not hold their ends open, or the parent would never see their EOF and sentinel.
+_LIVE: weakref.WeakSet[ThreadWorker] = weakref.WeakSet()
+
+
+def _drop_thread_fds_in_child() -> None:
+    for worker in list(_LIVE):
+        worker.forget_in_child()
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_drop_thread_fds_in_child)
+
+
+class ThreadWorker:
+    """A worker thread, as the supervisor sees a worker process (see the module docstring).
+
+    ``sentinel`` is the read end of a pipe whose write end the thread closes as the last
+    thing it does: the parent's loop watches it like a process sentinel.
+    """
+
+    def __init__(self, spec: WorkerSpec, sock: socket.socket, shelf: Shelf, name: str) -> None:
+        self._spec = spec
+        self._sock = sock  # the worker's end: the thread owns it (serve closes it)
+        self._shelf = shelf
+        self.name = name
+        self.pid: int | None = os.getpid()
+        self.sentinel = -1
+        self._done = -1  # the pipe's write end
+        self.exitcode: int | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[int] | None = None
+        self._stopping = False
+        self._abandoned = False
+
+    def start(self) -> None:
+        try:
+            self.sentinel, self._done = os.pipe()
+            _LIVE.add(self)
+            self._thread.start()
+        except BaseException:
+            self._sock.close()
+            if self._done >= 0:
+                os.close(self._done)
+            raise
+
+    def _run(self) -> None:
+        code = 1
+        try:
+            _hooks(True)
+            try:
+                code = _loops.run(self._serve())
+            finally:
+                _hooks(False)
+        except asyncio.CancelledError:
+            code = 0 if self._stopping else 1
+        except BaseException:  # serve reports the user's errors; this is ours
+            log.exception("thread worker %s failed", self.name)
+        finally:
+            self._sock.close()  # serve closes it; not if the loop never started
+            self.exitcode = code
+            _LIVE.discard(self)
+            os.close(self._done)  # last: the sentinel fires, join() returns at once
+
+    async def _serve(self) -> int:
+        task: asyncio.Task[int] | None = asyncio.current_task()
+        with self._lock:
+            self._loop, self._task = asyncio.get_running_loop(), task
+            stopping = self._stopping
+        try:
+            if stopping:  # terminated before its loop ran
+                return 0
+            return await serve(self._spec, self._sock, self._shelf)
+        finally:
+            with self._lock:
+                self._loop = self._task = None
+
+    def join(self, timeout: float | None = None) -> None:
+        if threading.current_thread() is self._thread:
+            return  # the GC's backstop can run in the worker thread itself
+        if self._abandoned and timeout is None:
+            timeout = 0.0
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def terminate(self) -> None:
+        """Cancel the serving task: an await in the worker ends now; blocking code cannot
+        be interrupted and finishes first."""
+        with self._lock:
+            self._stopping = True
+            loop, task = self._loop, self._task
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                loop.call_soon_threadsafe(task.cancel)
+
+    def kill(self) -> None:
+        """A thread cannot be killed: cancel it again and stop waiting for it."""
+        self.terminate()
+        if self._thread.is_alive():
+            self._abandoned = True
+            log.warning("thread worker %s does not stop (blocked outside its event loop); "
+                        "it is left running as a daemon thread: threads cannot be killed",
+                        self.name)
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close this worker's fds (its thread does not exist here)."""
+        for fd in (self._done, self.sentinel):
+            with contextlib.suppress(OSError):
+                if fd >= 0:
+                    os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(self._sock.detach())
+
+
+# While thread workers exist: torch's get_worker_info() answers per thread (aioloader._info),
+# and torch's default_collate does not put a thread worker's batches in shared memory (it
+# does so whenever get_worker_info() is set, for a worker *process*: pointless in-process).
+_TORCH_COLLATE_TENSOR = torch_collate.collate_tensor_fn
+_hook_lock = threading.Lock()
+_hook_users = 0
+
+
+def _collate_tensor(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    """torch's ``collate_tensor_fn``; in a thread worker, as outside a worker process."""
+    elem = batch[0]
+    if get_worker_info() is None or elem.is_nested or elem.layout != torch.strided:
+        return _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
+    return torch.stack(batch, 0)
+
+
+def _hooks(install: bool) -> None:
+    global _hook_users
+    hook_torch(install)
+    with _hook_lock:
+        _hook_users += 1 if install else -1
+        collate_map = torch_collate.default_collate_fn_map
+        current = collate_map.get(torch.Tensor)
+        if install and _hook_users == 1 and current is _TORCH_COLLATE_TENSOR:
+            collate_map[torch.Tensor] = _collate_tensor
+        elif not install and _hook_users == 0 and current is _collate_tensor:
+            collate_map[torch.Tensor] = _TORCH_COLLATE_TENSOR
