@@ -84,8 +84,9 @@ class DataLoader:
     ``start_method`` does not apply, the workers share this process's RNGs (they do not
     reseed them; ``get_worker_info().seed`` is still per worker) and, as threads cannot be
     killed or recycled, ``max_worker_restarts``, ``max_batches_per_worker`` and
-    ``max_worker_rss`` are refused. Pick it for work that releases the GIL (torch ops,
-    image decoding, I/O) or on free-threaded Python (docs/performance.md).
+    ``max_worker_rss`` are refused. Pick it where processes are costly (start-up, a forked
+    copy of a large dataset, pickling), for I/O, or on free-threaded Python; with the GIL,
+    processes won or tied on throughput in every workload measured (docs/performance.md).
 
     Examples:
         >>> import aioloader
