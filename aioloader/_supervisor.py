@@ -241,8 +241,7 @@ class Supervisor:
         else:
             ctx: Any = torch.multiprocessing.get_context(self.start_method)
             if self.start_method == "forkserver":
-                # The server imports torch and aioloader once; each worker forks from it warm.
-                ctx.set_forkserver_preload(["aioloader._worker"])
+                ctx.set_forkserver_preload(_preload(self.spec.source))
             proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
                                name=f"aioloader-worker-{k}")
             ledger = SlotLedger(self.spec.slots, release, lease=self.lease)
@@ -638,6 +637,19 @@ class Supervisor:
             return
         for w in everyone:
             w.ledger.close()
+
+
+def _preload(source: Any) -> list[str]:
+    """What a forkserver imports once, before it forks any worker: the main module (the
+    multiprocessing default this list replaces), torch and aioloader, and the module of the
+    source's class. Each worker then forks from it warm instead of importing them itself
+    (0.7-0.9 s a worker measured here, issue 13). Only the server's first start reads it;
+    a module that fails to import is skipped there."""
+    modules = ["__main__", "aioloader._worker"]
+    home = getattr(type(source), "__module__", None)
+    if isinstance(home, str) and home not in ("__main__", "builtins"):
+        modules.append(home)
+    return modules
 
 
 def _start_process(w: WorkerState, child: socket.socket) -> None:

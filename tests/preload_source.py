@@ -1,0 +1,20 @@
+"""A dataset module that records every process importing it (tests/test_forkserver.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch.utils.data as tud
+
+with open(os.environ["AIOLOADER_IMPORT_LOG"], "a") as log:
+    log.write(f"{os.getpid()}\n")
+
+
+class Pids(tud.Dataset[int]):
+    """Sample ``i`` is the pid of the process that fetched it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return os.getpid()
