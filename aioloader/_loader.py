@@ -30,7 +30,7 @@ from ._setup import Setup
 from ._sources import Kind, classify
 from ._state import Cursor, ResumePoint, make_state, read_state
 from ._stats import NO_ARENA, LoaderStats, Meter
-from ._supervisor import GRACE, RestartBudget
+from ._supervisor import GRACE, RestartBudget, warm_forkserver
 from ._sync import Portal, SyncLoader, running_loop
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -260,6 +260,8 @@ class DataLoader:
         self._owed_end = False  # an epoch took all its batches but not its pass end
         self._resume: ResumePoint | None = None  # where the next session starts
         self._box = _Box()
+        if start_method == "forkserver" and num_workers > 0 and worker_type == "process":
+            warm_forkserver(reader)
         backstop(self, self._box.kill)
 
     def _configure(self, seed: int) -> None:

@@ -639,6 +639,25 @@ class Supervisor:
             w.ledger.close()
 
 
+def warm_forkserver(source: Any) -> None:
+    """Start multiprocessing's forkserver now, in the background, preloaded for ``source``.
+
+    Called when a loader with ``start_method="forkserver"`` is made: the server imports
+    torch, aioloader and the dataset's module while the user's script goes on setting up,
+    so the first epoch forks its workers from a warm server. The server is the process's
+    one forkserver (multiprocessing's), kept until the process exits, as after any epoch.
+    """
+    def start() -> None:
+        import multiprocessing.forkserver
+
+        ctx: Any = torch.multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_preload(source))
+        with contextlib.suppress(OSError):  # the first epoch then says what is wrong
+            multiprocessing.forkserver.ensure_running()
+
+    _STARTER.submit(start)
+
+
 def _preload(source: Any) -> list[str]:
     """What a forkserver imports once, before it forks any worker: the main module (the
     multiprocessing default this list replaces), torch and aioloader, and the module of the
