@@ -323,6 +323,20 @@ def loader_of(n: int, **kwargs: Any) -> aioloader.DataLoader:
                                 **kwargs)
 
 
+def through(loader: aioloader.DataLoader, face: str, device: str) -> list[Any]:
+    """One epoch's batches: ``sync(device=)``, or ``for`` / ``async for`` with the loader's
+    ``cuda_device``."""
+    if face == "sync":
+        return list(loader.sync(device=device))
+    if face == "cuda_device":
+        return list(loader)
+
+    async def consume() -> list[Any]:
+        return [batch async for batch in loader]
+
+    return asyncio.run(consume())
+
+
 def expected(n: int) -> list[Any]:
     return [rich(list(range(i, min(i + 2, n)))) for i in range(0, n, 2)]
 
@@ -336,15 +350,7 @@ def test_loader_batches_reach_cuda_through_the_ring(gpu: FakeGpu, num_workers: i
     n = 12
     with loader_of(n, num_workers=num_workers,
                    cuda_device="cuda:0" if face != "sync" else None) as loader:
-        if face == "sync":
-            got = list(loader.sync(device="cuda:0"))
-        elif face == "cuda_device":
-            got = list(loader)
-        else:
-            async def consume() -> list[Any]:
-                return [batch async for batch in loader]
-
-            got = asyncio.run(consume())
+        got = through(loader, face, "cuda:0")
     gpu.run_waited(gpu.current_stream())
     want = expected(n)
     assert len(got) == len(want)
@@ -425,15 +431,7 @@ def test_meta_targets_use_plain_moves(num_workers: int, face: str,
     monkeypatch.setattr(_staging, "backend_for", no_stager)
     with aioloader.DataLoader(Shapes(), batch_size=4, num_workers=num_workers, quiet=True,
                               cuda_device=None if face == "sync" else "meta") as loader:
-        if face == "sync":
-            got = list(loader.sync(device="meta"))
-        elif face == "cuda_device":
-            got = list(loader)
-        else:
-            async def consume() -> list[Any]:
-                return [batch async for batch in loader]
-
-            got = asyncio.run(consume())
+        got = through(loader, face, "meta")
     assert [b["x"].shape for b in got] == [(4, 3, 4), (2, 3, 4)]
     for b in got:
         assert {t.device.type for t in b.values()} == {"meta"}
