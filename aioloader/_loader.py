@@ -28,6 +28,7 @@ from ._samplers import BatchSampler
 from ._session import PassDone, Producer, Session
 from ._setup import Setup
 from ._sources import Kind, classify
+from ._standby import StandbyPool
 from ._state import Cursor, ResumePoint, make_state, read_state
 from ._stats import NO_ARENA, LoaderStats, Meter
 from ._supervisor import GRACE, RestartBudget, warm_forkserver
@@ -38,7 +39,8 @@ WORKER_TYPES = ("process", "thread")
 
 
 class _Box:
-    """What a loader owns that must be stopped when it goes: its session and its portal.
+    """What a loader owns that must be stopped when it goes: its session, its portal, and
+    (spawn) its standby processes until a session takes them.
 
     Kept apart from the loader so that the garbage collector's backstop
     (``weakref.finalize``) can stop them; it does so only in the process that made them.
@@ -47,6 +49,7 @@ class _Box:
     def __init__(self) -> None:
         self.session: Session | None = None
         self.portal = Portal()
+        self.standby: StandbyPool | None = None
         self.owner_pid = os.getpid()
 
     def kill(self) -> None:
@@ -55,6 +58,8 @@ class _Box:
         session, self.session = self.session, None
         if session is not None:
             session.kill()
+        if self.standby is not None:
+            self.standby.close(0.0)
         self.portal.close()
 
 
@@ -250,6 +255,9 @@ class DataLoader:
             batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
             sampler=batch_sampler if isinstance(batch_sampler, BatchSampler) else None,
             chunk_size=max_instances_in_memory)
+        self._box = _Box()
+        if start_method == "spawn" and num_workers > 0 and worker_type == "process":
+            self._box.standby = StandbyPool(reader, num_workers)  # started below
         self._configure(seed)
         self._cache: CachedInstances | None = None
         self._next_pass = 0  # the pass the session's stream is at
@@ -259,10 +267,11 @@ class DataLoader:
         self._cursor = Cursor()  # where the consumer stands (state_dict)
         self._owed_end = False  # an epoch took all its batches but not its pass end
         self._resume: ResumePoint | None = None  # where the next session starts
-        self._box = _Box()
         if start_method == "forkserver" and num_workers > 0 and worker_type == "process":
             warm_forkserver(reader)
         backstop(self, self._box.kill)
+        if self._box.standby is not None:
+            self._box.standby.start()  # imports in the background (aioloader/_standby.py)
 
     def _configure(self, seed: int) -> None:
         """What depends on the seed: the plans and the workers' setup."""
@@ -281,7 +290,7 @@ class DataLoader:
             timed=self.timeout is not None, budget=self._budget,
             max_batches=self.max_batches_per_worker, max_rss=self.max_worker_rss,
             loads=self._loads, skips=self._skips, worker_init_fn=self.worker_init_fn,
-            worker_type=self.worker_type)
+            worker_type=self.worker_type, standby=self._box.standby)
 
     def _prefetch(self) -> int:
         """Batches in flight per worker (its slots): with a load stage, enough index
@@ -405,7 +414,9 @@ class DataLoader:
                 raise LoaderBusyError(
                     "load_state_dict() while an epoch is being iterated: finish or close "
                     "that epoch first (`loader.close()`), then load the state")
-        self.close()  # workers that persisted from an earlier epoch are elsewhere
+        # Workers that persisted from an earlier epoch are elsewhere; standbys hold nothing
+        # of it and stay for the next session.
+        self._close_session()
         if point.seed != self._base_seed:
             self._configure(point.seed)
         self._resume = point
@@ -506,6 +517,8 @@ class DataLoader:
         A consumer waiting for a batch in another task or thread gets
         :class:`~aioloader.LoaderClosedError`.
         """
+        if self._box.standby is not None:
+            await asyncio.to_thread(self._box.standby.close)
         session = self._take_session()
         if session is None:
             return
@@ -521,6 +534,11 @@ class DataLoader:
 
     def close(self) -> None:
         """Blocking :meth:`aclose`, from any thread; also ends the sync adapter's loops."""
+        if self._box.standby is not None:
+            self._box.standby.close()
+        self._close_session()
+
+    def _close_session(self) -> None:
         session = self._take_session()
         if session is not None:
             loop, here = session.loop, running_loop()

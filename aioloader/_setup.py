@@ -14,6 +14,7 @@ from ._position import ShardPosition, StreamPosition
 from ._producers import Plan, WorkerIndex, WorkerInstances, WorkerStream
 from ._session import Producer
 from ._sources import Kind
+from ._standby import StandbyPool
 from ._supervisor import RestartBudget, Supervisor
 from ._worker import Plan as Role
 from ._worker import WorkerSpec
@@ -47,6 +48,7 @@ class Setup:
     skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
     worker_init_fn: Callable[[int], object] | None = None  # torch's, once per worker process
     worker_type: str = "process"  # or "thread": workers in this process, batches by reference
+    standby: StandbyPool | None = None  # spawn: warm processes for the first workers (issue 13)
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
@@ -63,7 +65,7 @@ class Setup:
             loads=self._loads_of(source), worker_init_fn=self.worker_init_fn,
             threaded=self.worker_type == "thread")
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
-                          budget=self.budget, skips=self.skips)
+                          budget=self.budget, skips=self.skips, standby=self.standby)
 
     @property
     def shards(self) -> int:

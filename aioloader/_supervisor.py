@@ -28,7 +28,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing
 
@@ -47,6 +47,9 @@ from ._position import ShardPosition
 from ._stats import ArenaStats, WorkerStats
 from ._threads import ThreadWorker
 from ._worker import WorkerSpec, worker_main
+
+if TYPE_CHECKING:
+    from ._standby import Standby, StandbyPool
 
 # Processes are started from one long-lived thread: starting can block (spawn writes the
 # pickled spec into a pipe the child reads only once Python is up), and the thread that
@@ -165,7 +168,7 @@ class Supervisor:
 
     def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
                  lease: bool = True, budget: RestartBudget | None = None,
-                 skips: SkipLog | None = None) -> None:
+                 skips: SkipLog | None = None, standby: StandbyPool | None = None) -> None:
         self.spec = spec
         self.num_workers = num_workers
         self.start_method = start_method
@@ -180,6 +183,8 @@ class Supervisor:
         self._waiter: asyncio.Future[None] | None = None
         self._reaping = threading.Lock()
         self._retired: list[WorkerState] = []  # replaced processes, reaped at the end
+        self.standby = standby  # spawn: the loader's warm processes, for the first start
+        self._standbys: list[Standby] = []  # taken from it and not used yet
 
     # ------------------------------------------------------------------ start
 
@@ -187,12 +192,12 @@ class Supervisor:
         """With spawn/forkserver the spec travels pickled: fail before starting anything."""
         if self.start_method == "fork" or self.spec.threaded:
             return
-        from multiprocessing.reduction import ForkingPickler
+        from ._standby import spawn_dumps  # it imports this module
 
         for name in ("source", "collate_fn", "options", "worker_init_fn"):
             value = getattr(self.spec, name)
             try:
-                ForkingPickler.dumps(value)
+                spawn_dumps(value)  # as the start pickles it, holding no fd
             except Exception as exc:
                 raise SourcePicklingError(
                     f"the {name} ({type(value).__name__}) cannot be pickled, which "
@@ -206,12 +211,19 @@ class Supervisor:
 
         Each worker is registered before its process is submitted for starting, and the
         start itself runs to its end in the starter thread whatever happens here, so
-        reaping (which waits for pending starts) always sees every process.
+        reaping (which waits for pending starts) always sees every process. With the
+        loader's standby processes (spawn), the first start takes them all; those it does
+        not use are reaped with the workers.
         """
-        self.check_picklable()
-        for k in range(self.num_workers):
-            self.workers.append(self._spawn(self.spec.for_worker(k)))
+        if self.standby is not None:
+            self._standbys = self.standby.take_all()
         try:
+            self.check_picklable()
+            for k in range(self.num_workers):
+                standby = self._standbys[0] if self._standbys else None
+                self.workers.append(self._spawn(self.spec.for_worker(k), standby))
+                if standby is not None:
+                    self._standbys.remove(standby)
             for w in self.workers:
                 assert w.starting is not None
                 # Shielded: cancelling the wait must not cancel a start still queued in the
@@ -221,8 +233,9 @@ class Supervisor:
             await self.aclose(0.0)
             raise
 
-    def _spawn(self, spec: WorkerSpec) -> WorkerState:
-        """A worker registered and submitted for starting (see :meth:`start`)."""
+    def _spawn(self, spec: WorkerSpec, standby: Standby | None = None) -> WorkerState:
+        """A worker registered and submitted for starting (see :meth:`start`); with
+        ``standby``, that process becomes the worker unless it is gone."""
         k = spec.worker_id
         parent, child = socket.socketpair()
         _PARENT_SOCKS.add(parent)
@@ -245,9 +258,13 @@ class Supervisor:
             proc = ctx.Process(target=worker_main, args=(spec, child), daemon=True,
                                name=f"aioloader-worker-{k}")
             ledger = SlotLedger(self.spec.slots, release, lease=self.lease)
-        w = WorkerState(k, proc, parent, ledger)
+        w = WorkerState(k, proc if standby is None else standby.process, parent, ledger)
         holder.append(w)
-        w.starting = _STARTER.submit(_start_process, w, child)
+        if standby is not None:
+            assert isinstance(proc, BaseProcess)
+            w.starting = _STARTER.submit(_hand_off, w, spec, child, standby, proc)
+        else:
+            w.starting = _STARTER.submit(_start_process, w, child)
         return w
 
     def _retire(self, w: WorkerState) -> None:
@@ -611,6 +628,9 @@ class Supervisor:
     def _reap_locked(self, grace: float, retired_only: bool = False) -> None:
         everyone = list(self._retired)
         if not retired_only:
+            if self.standby is not None:  # a start that failed before it used them all
+                unused, self._standbys = self._standbys, []
+                self.standby.release(unused, grace)
             everyone += [w for w in self.workers]
             everyone += [w.successor for w in self.workers if w.successor is not None]
         pending = [w.starting for w in everyone if w.starting is not None]
@@ -663,7 +683,8 @@ def _preload(source: Any) -> list[str]:
     multiprocessing default this list replaces), torch and aioloader, and the module of the
     source's class. Each worker then forks from it warm instead of importing them itself
     (0.7-0.9 s a worker measured here, issue 13). Only the server's first start reads it;
-    a module that fails to import is skipped there."""
+    a module that fails to import is skipped there. A spawn loader's standby processes
+    import the same list (aioloader/_standby.py)."""
     modules = ["__main__", "aioloader._worker"]
     home = getattr(type(source), "__module__", None)
     if isinstance(home, str) and home not in ("__main__", "builtins"):
@@ -687,6 +708,25 @@ def _start_process(w: WorkerState, child: socket.socket) -> None:
         multiprocessing.process._children.discard(w.process)  # type: ignore[attr-defined]
     finally:
         child.close()
+
+
+def _hand_off(w: WorkerState, spec: WorkerSpec, child: socket.socket, standby: Standby,
+              fresh: BaseProcess) -> None:
+    """In the starter thread: ``standby`` becomes ``w``, given ``spec`` (pickled now, so it
+    carries the dataset as it is when the epoch starts) and ``child``; where the standby is
+    gone, the process ``fresh`` is started instead."""
+    try:
+        taken = standby.hand_off(spec, child)
+    except BaseException:
+        w.started = True  # it runs, and sees EOF: reaped with the others
+        child.close()
+        raise
+    if taken:
+        w.started = True
+        child.close()
+        return
+    w.process = fresh
+    _start_process(w, child)
 
 
 def _worker_error(w: WorkerState, msg: wire.Failed) -> WorkerError:
