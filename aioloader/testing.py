@@ -271,6 +271,17 @@ def _fds() -> dict[int, str]:
     return out
 
 
+def _helper_fds() -> set[int]:
+    """The fds this process keeps to multiprocessing's helpers for good: the forkserver's
+    "alive" pipe and the resource tracker's pipe (a loader may start either; see
+    :func:`is_helper`)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    fds = {getattr(forkserver._forkserver, "_forkserver_alive_fd", None),
+           getattr(resource_tracker._resource_tracker, "_fd", None)}
+    return {fd for fd in fds if isinstance(fd, int)}
+
+
 def _shm() -> set[str]:
     try:
         return set(os.listdir("/dev/shm"))
@@ -293,7 +304,11 @@ class LeakSnapshot:
     @classmethod
     def take(cls, include_helpers: bool = False) -> LeakSnapshot:
         kids = {p for p in descendants() if include_helpers or not is_helper(p)}
-        return cls(kids, _fds(), _shm())
+        fds = _fds()
+        if not include_helpers:
+            for fd in _helper_fds():
+                fds.pop(fd, None)
+        return cls(kids, fds, _shm())
 
     def new_since(self, baseline: LeakSnapshot) -> list[str]:
         """Human-readable lines for everything here that the baseline lacks."""

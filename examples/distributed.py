@@ -65,6 +65,9 @@ def train() -> None:
         w, b = model.module.weight.item(), model.module.bias.item()
         print(f"{world_size} ranks saw {int(count)} instances: the union is the dataset, "
               f"each instance once. Fitted y = {w:.2f}x {b:+.2f}")
+    # Every rank done with its collectives before any tears its connections down: gloo can
+    # abort a rank at exit ("terminate called without an active exception") otherwise.
+    dist.barrier()
     dist.destroy_process_group()
 
 

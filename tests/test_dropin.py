@@ -22,6 +22,7 @@ import torch.multiprocessing
 import torch.utils.data as tud
 
 import aioloader
+from aioloader.testing import is_helper
 
 pytestmark = pytest.mark.deadline(60)
 
@@ -230,9 +231,10 @@ def test_worker_init_fn_must_pickle_for_spawn() -> None:
 # ------------------------------------------------------------------ persistent_workers
 
 def children(before: frozenset[int] = frozenset()) -> list[psutil.Process]:
-    """Our descendants, less ``before`` (a resource tracker or forkserver started earlier
-    in the session stays for good)."""
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    """Our descendants, less ``before`` and multiprocessing's helpers (a resource tracker
+    or forkserver, started by any loader, stays for good)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and not is_helper(p.pid)]
 
 
 def baseline() -> frozenset[int]:

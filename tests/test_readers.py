@@ -17,6 +17,7 @@ import pytest
 
 import aioloader
 from aioloader.readers import JsonLinesError, JsonLinesReader
+from aioloader.testing import is_helper
 
 pytestmark = pytest.mark.deadline(120)
 
@@ -25,18 +26,10 @@ pytestmark = pytest.mark.deadline(120)
 def no_child_left() -> Iterator[None]:
     """Every test closes its loaders: no worker process outlives it."""
     yield
-    # multiprocessing's resource tracker, started by spawn, lives as long as this process.
-    children = [p for p in psutil.Process().children(recursive=True)
-                if "multiprocessing.resource_tracker" not in " ".join(_cmdline(p))]
+    # multiprocessing's resource tracker and forkserver live as long as this process.
+    children = [p for p in psutil.Process().children(recursive=True) if not is_helper(p.pid)]
     _, alive = psutil.wait_procs(children, timeout=5)
     assert not alive, f"child processes left behind: {alive}"
-
-
-def _cmdline(process: psutil.Process) -> list[str]:
-    try:
-        return process.cmdline()
-    except psutil.Error:  # it exited (or is a zombie) meanwhile
-        return []
 
 
 def write_jsonl(path: Path, ids: range, *, compress: bool = False, blank_every: int = 0) -> Path:
