@@ -271,7 +271,9 @@ class DataLoader:
             warm_forkserver(reader)
         backstop(self, self._box.kill)
         if self._box.standby is not None:
-            self._box.standby.start()  # imports in the background (aioloader/_standby.py)
+            # Imports in the background (aioloader/_standby.py), unless the spec cannot be
+            # pickled: then no process starts at all, and the first epoch says why.
+            self._box.standby.start((reader, collate_fn, self._options, worker_init_fn))
 
     def _configure(self, seed: int) -> None:
         """What depends on the seed: the plans and the workers' setup."""

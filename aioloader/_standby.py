@@ -153,10 +153,24 @@ class StandbyPool:
         self._lock = threading.Lock()
         self._idle: list[Standby] = []
         self._done = False
+        self._starting: concurrent.futures.Future[None] | None = None
         self.owner_pid = os.getpid()
 
-    def start(self) -> None:
-        """Spawn the standbys from the starter thread; returns at once."""
+    def start(self, parts: tuple[Any, ...] = ()) -> None:
+        """Spawn the standbys from the starter thread; returns at once.
+
+        ``parts`` (what the workers' spec will carry: the source, the collate function, ...)
+        are pickled there first: if one cannot be, no standby starts, and the first epoch
+        fails with SourcePicklingError before any process starts, as it would without them.
+        """
+        self._starting = _STARTER.submit(self._start, parts)
+
+    def _start(self, parts: tuple[Any, ...]) -> None:
+        try:
+            for part in parts:
+                spawn_dumps(part)
+        except Exception:  # noqa: BLE001 - the epoch's own check says what is wrong
+            return
         ctx: Any = torch.multiprocessing.get_context("spawn")
         with self._lock:
             if self._done or self._idle:
@@ -179,6 +193,8 @@ class StandbyPool:
 
     def pids(self) -> list[int | None]:
         """The idle standbys' pids, once started (diagnostics and tests)."""
+        if self._starting is not None:
+            self._starting.result()
         with self._lock:
             idle = list(self._idle)
         concurrent.futures.wait([s.started for s in idle])
