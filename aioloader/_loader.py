@@ -256,7 +256,10 @@ class DataLoader:
             sampler=batch_sampler if isinstance(batch_sampler, BatchSampler) else None,
             chunk_size=max_instances_in_memory)
         self._box = _Box()
-        if start_method == "spawn" and num_workers > 0 and worker_type == "process":
+        # spawn and forkserver start their interpreters now, so that their imports overlap
+        # the script's own set-up (issue 13): standbys, or the process's forkserver.
+        warm = start_method if num_workers > 0 and worker_type == "process" else None
+        if warm == "spawn":
             self._box.standby = StandbyPool(reader, num_workers)  # started below
         self._configure(seed)
         self._cache: CachedInstances | None = None
@@ -267,13 +270,15 @@ class DataLoader:
         self._cursor = Cursor()  # where the consumer stands (state_dict)
         self._owed_end = False  # an epoch took all its batches but not its pass end
         self._resume: ResumePoint | None = None  # where the next session starts
-        if start_method == "forkserver" and num_workers > 0 and worker_type == "process":
+        if warm == "forkserver":
             warm_forkserver(reader)
         backstop(self, self._box.kill)
         if self._box.standby is not None:
             # Imports in the background (aioloader/_standby.py), unless the spec cannot be
             # pickled: then no process starts at all, and the first epoch says why.
-            self._box.standby.start((reader, collate_fn, self._options, worker_init_fn))
+            self._box.standby.start({"source": reader, "collate_fn": collate_fn,
+                                     "options": self._options,
+                                     "worker_init_fn": worker_init_fn})
 
     def _configure(self, seed: int) -> None:
         """What depends on the seed: the plans and the workers' setup."""

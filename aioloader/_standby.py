@@ -42,7 +42,6 @@ import socket
 import struct
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
@@ -50,7 +49,15 @@ from typing import Any
 
 import torch.multiprocessing
 
-from ._supervisor import _PARENT_SOCKS, _STARTER, GRACE, _preload
+from ._errors import SourcePicklingError
+from ._supervisor import (
+    _PARENT_SOCKS,
+    _STARTER,
+    GRACE,
+    _preload,
+    check_picklable,
+    stop_processes,
+)
 from ._worker import WorkerSpec, worker_main
 
 _HEADER = struct.Struct("!QQI")  # bytes of the changes, bytes of the spec, fds passed
@@ -156,20 +163,19 @@ class StandbyPool:
         self._starting: concurrent.futures.Future[None] | None = None
         self.owner_pid = os.getpid()
 
-    def start(self, parts: tuple[Any, ...] = ()) -> None:
+    def start(self, parts: dict[str, Any]) -> None:
         """Spawn the standbys from the starter thread; returns at once.
 
-        ``parts`` (what the workers' spec will carry: the source, the collate function, ...)
-        are pickled there first: if one cannot be, no standby starts, and the first epoch
+        ``parts`` (what the workers' spec will carry, by name: see ``SPEC_PARTS``) are
+        pickled there first: if one cannot be, no standby starts, and the first epoch
         fails with SourcePicklingError before any process starts, as it would without them.
         """
         self._starting = _STARTER.submit(self._start, parts)
 
-    def _start(self, parts: tuple[Any, ...]) -> None:
+    def _start(self, parts: dict[str, Any]) -> None:
         try:
-            for part in parts:
-                spawn_dumps(part)
-        except Exception:  # noqa: BLE001 - the epoch's own check says what is wrong
+            check_picklable(parts, "spawn")
+        except SourcePicklingError:  # the epoch's own check says so, before any start
             return
         ctx: Any = torch.multiprocessing.get_context("spawn")
         with self._lock:
@@ -217,23 +223,8 @@ class StandbyPool:
 
 def stop(standbys: list[Standby], grace: float) -> None:
     """Wait ``grace`` seconds for started ``standbys`` to exit, then terminate, then kill."""
-    started = [s.process for s in standbys
-               if s.started.done() and s.started.exception() is None]
-    deadline = time.monotonic() + grace
-    for p in started:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for escalate in ("terminate", "kill"):
-        alive = [p for p in started if p.exitcode is None]
-        if not alive:
-            break
-        for p in alive:
-            getattr(p, escalate)()
-        deadline = time.monotonic() + GRACE
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-    for p in started:
-        p.join()
-        p.close()
+    stop_processes([s.process for s in standbys
+                    if s.started.done() and s.started.exception() is None], grace)
 
 
 def standby_main(sock: socket.socket, modules: list[str]) -> None:

@@ -73,6 +73,9 @@ def _close_parent_socks_in_child() -> None:
 
 os.register_at_fork(after_in_child=_close_parent_socks_in_child)
 
+# What a worker's spec carries of the user's: it must pickle for spawn and forkserver.
+SPEC_PARTS = ("source", "collate_fn", "options", "worker_init_fn")
+
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
 log = logging.getLogger("aioloader")
@@ -192,19 +195,8 @@ class Supervisor:
         """With spawn/forkserver the spec travels pickled: fail before starting anything."""
         if self.start_method == "fork" or self.spec.threaded:
             return
-        from ._standby import spawn_dumps  # it imports this module
-
-        for name in ("source", "collate_fn", "options", "worker_init_fn"):
-            value = getattr(self.spec, name)
-            try:
-                spawn_dumps(value)  # as the start pickles it, holding no fd
-            except Exception as exc:
-                raise SourcePicklingError(
-                    f"the {name} ({type(value).__name__}) cannot be pickled, which "
-                    f"start_method={self.start_method!r} needs to send it to the workers: "
-                    f"{exc!r}. Make it picklable (no lambdas, locks or open files as "
-                    "attributes; define classes at module level) or use start_method='fork'."
-                ) from exc
+        check_picklable({name: getattr(self.spec, name) for name in SPEC_PARTS},
+                        self.start_method)
 
     async def start(self) -> None:
         """Start every worker; cancellation-safe.
@@ -635,28 +627,55 @@ class Supervisor:
             everyone += [w.successor for w in self.workers if w.successor is not None]
         pending = [w.starting for w in everyone if w.starting is not None]
         concurrent.futures.wait(pending)  # a start in flight finishes, then is reaped
-        deadline = time.monotonic() + grace
         started = [w for w in everyone if w.started and not w.reaped]
+        stop_processes([w.process for w in started], grace)
         for w in started:
-            w.process.join(max(0.0, deadline - time.monotonic()))
-        for escalate in ("terminate", "kill"):  # a thread: cancel it, then stop waiting
-            alive = [w for w in started if w.process.exitcode is None]
-            if not alive:
-                break
-            for w in alive:
-                getattr(w.process, escalate)()
-            deadline = time.monotonic() + GRACE
-            for w in alive:
-                w.process.join(max(0.0, deadline - time.monotonic()))
-        for w in started:
-            w.process.join()
-            w.process.close()
             w.reaped = True
         self._retired = [w for w in self._retired if not w.reaped]
         if retired_only:
             return
         for w in everyone:
             w.ledger.close()
+
+
+def stop_processes(processes: list[BaseProcess] | list[BaseProcess | ThreadWorker],
+                   grace: float) -> None:
+    """Give started ``processes`` ``grace`` seconds to exit (they were told: EOF), then
+    terminate, then kill the ones left (a thread: cancel it, then stop waiting); join and
+    close each."""
+    deadline = time.monotonic() + grace
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for escalate in ("terminate", "kill"):
+        alive = [p for p in processes if p.exitcode is None]
+        if not alive:
+            break
+        for p in alive:
+            getattr(p, escalate)()
+        deadline = time.monotonic() + GRACE
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        p.join()
+        p.close()
+
+
+def check_picklable(parts: dict[str, Any], start_method: str) -> None:
+    """Raise SourcePicklingError naming the first of ``parts`` (the source, the collate
+    function, ...: what a worker's spec carries) that cannot be pickled as spawn and
+    forkserver send it."""
+    from ._standby import spawn_dumps  # it imports this module
+
+    for name, value in parts.items():
+        try:
+            spawn_dumps(value)  # as the start pickles it, holding no fd
+        except Exception as exc:
+            raise SourcePicklingError(
+                f"the {name} ({type(value).__name__}) cannot be pickled, which "
+                f"start_method={start_method!r} needs to send it to the workers: "
+                f"{exc!r}. Make it picklable (no lambdas, locks or open files as "
+                "attributes; define classes at module level) or use start_method='fork'."
+            ) from exc
 
 
 def warm_forkserver(source: Any) -> None:
