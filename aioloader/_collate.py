@@ -237,7 +237,8 @@ def _stack(tensors: Sequence[Any], path: _Path) -> torch.Tensor:
 
 def stack_into_arena(batch: Sequence[torch.Tensor], *,
                      collate_fn_map: dict[Any, Callable[..., Any]] | None = None) -> torch.Tensor:
-    """torch's ``collate_tensor_fn`` as a worker of ours runs it: stacked into the arena.
+    """torch's ``collate_tensor_fn`` as a worker of ours runs it: stacked into the arena
+    (a worker process's slot; a thread worker has none, and stacks into plain memory).
 
     torch's own version sees the worker info we set (for IterableDatasets that shard
     themselves) and stacks every batch into a new shared-memory segment: ~1,200 page faults
@@ -246,12 +247,12 @@ def stack_into_arena(batch: Sequence[torch.Tensor], *,
     """
     elem = batch[0]
     if elem.is_nested or elem.layout in _SPARSE:  # torch's own errors
-        raised: torch.Tensor = _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
+        raised: torch.Tensor = TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
         return raised
     return _stack(batch, ())
 
 
-_TORCH_COLLATE_TENSOR = torch.utils.data._utils.collate.collate_tensor_fn
+TORCH_COLLATE_TENSOR = torch.utils.data._utils.collate.collate_tensor_fn
 
 
 def route_torch_collate_into_arena() -> None:

@@ -21,14 +21,14 @@ import os
 import socket
 import threading
 import weakref
-from typing import Any
 
 import torch
 import torch.utils.data._utils.collate as torch_collate
 
 from . import _loops
+from ._collate import TORCH_COLLATE_TENSOR, stack_into_arena
 from ._dataplane import Shelf
-from ._info import get_worker_info, hook_torch
+from ._info import hook_torch
 from ._worker import WorkerSpec, serve
 
 log = logging.getLogger("aioloader")
@@ -159,17 +159,10 @@ class ThreadWorker:
 # While thread workers exist: torch's get_worker_info() answers per thread (aioloader._info),
 # and torch's default_collate does not put a thread worker's batches in shared memory (it
 # does so whenever get_worker_info() is set, for a worker *process*: pointless in-process).
-_TORCH_COLLATE_TENSOR = torch_collate.collate_tensor_fn
+# stack_into_arena is torch's tensor collate without that segment, as our worker processes
+# use it; with no arena slot to fill (none in a thread, nor outside workers) it is a stack.
 _hook_lock = threading.Lock()
 _hook_users = 0
-
-
-def _collate_tensor(batch: Any, *, collate_fn_map: Any = None) -> Any:
-    """torch's ``collate_tensor_fn``; in a thread worker, as outside a worker process."""
-    elem = batch[0]
-    if get_worker_info() is None or elem.is_nested or elem.layout != torch.strided:
-        return _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
-    return torch.stack(batch, 0)
 
 
 def _hooks(install: bool) -> None:
@@ -179,7 +172,7 @@ def _hooks(install: bool) -> None:
         _hook_users += 1 if install else -1
         collate_map = torch_collate.default_collate_fn_map
         current = collate_map.get(torch.Tensor)
-        if install and _hook_users == 1 and current is _TORCH_COLLATE_TENSOR:
-            collate_map[torch.Tensor] = _collate_tensor
-        elif not install and _hook_users == 0 and current is _collate_tensor:
-            collate_map[torch.Tensor] = _TORCH_COLLATE_TENSOR
+        if install and _hook_users == 1 and current is TORCH_COLLATE_TENSOR:
+            collate_map[torch.Tensor] = stack_into_arena
+        elif not install and _hook_users == 0 and current is stack_into_arena:
+            collate_map[torch.Tensor] = TORCH_COLLATE_TENSOR
