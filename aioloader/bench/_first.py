@@ -11,7 +11,7 @@ import gc
 import time
 from typing import Any
 
-from ._measure import Result, Spec, aio_loader, peer_setup, run_on
+from ._measure import Result, Spec, aio_loader, peer_setup, per_side
 from ._peers import open_loader
 from ._workloads import FIRST_BATCHES, Workload, first_workload
 
@@ -22,13 +22,8 @@ def first_batch(spec: Spec) -> Result:
     workload = first_workload()
     dataset = workload.dataset(FIRST_BATCHES * workload.batch_size)
     gc.collect()
-    if spec.side != "aioloader":
-        stamps = _peer_first(spec, workload, dataset)
-    elif spec.face == "sync":
-        stamps = _aio_sync_first(spec, workload, dataset)
-    else:
-        stamps = run_on(spec.loop, _aio_async_first(spec, workload, dataset))
-    start, built, first, closed = stamps
+    start, built, first, closed = per_side(spec, workload, dataset, peer=_peer_first,
+                                           sync=_aio_sync_first, aio=_aio_async_first)
     return {"construct_ms": (built - start) * 1e3, "ttfb_ms": (first - start) * 1e3,
             "close_ms": (closed - first) * 1e3}
 

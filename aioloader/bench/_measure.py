@@ -12,7 +12,7 @@ import platform
 import resource
 import sys
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -126,13 +126,22 @@ def _throughput(spec: Spec) -> Result:
     dataset = workload.dataset(spec.batches * workload.batch_size)
     gc.collect()
     rss = _PeakRss()
-    if spec.side != "aioloader":
-        clock = _peer_epochs(spec, workload, dataset)
-    elif spec.face == "sync":
-        clock = _aio_sync_epochs(spec, workload, dataset)
-    else:
-        clock = run_on(spec.loop, _aio_async_epochs(spec, workload, dataset))
+    clock = per_side(spec, workload, dataset, peer=_peer_epochs, sync=_aio_sync_epochs,
+                     aio=_aio_async_epochs)
     return {**clock.figures(), "peak_rss_mb": rss.growth_mb()}
+
+
+def per_side(spec: Spec, workload: Workload, dataset: Any, *,
+             peer: Callable[[Spec, Workload, Any], T],
+             sync: Callable[[Spec, Workload, Any], T],
+             aio: Callable[[Spec, Workload, Any], Coroutine[Any, Any, T]]) -> T:
+    """One measurement of ``spec.side``: a peer's loader, or aioloader through the face
+    ``spec.face`` asks for (``for``, or ``async for`` on a loop of ``spec.loop``'s kind)."""
+    if spec.side != "aioloader":
+        return peer(spec, workload, dataset)
+    if spec.face == "sync":
+        return sync(spec, workload, dataset)
+    return run_on(spec.loop, aio(spec, workload, dataset))
 
 
 def _peer_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
