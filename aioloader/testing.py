@@ -48,7 +48,11 @@ __all__ = [
 HowToDie = Literal["exit", "sigkill", "segv", "oom"]
 
 # multiprocessing's own long-lived helpers: one per parent process, not per loader.
-HELPER_MARKERS = ("resource_tracker", "semaphore_tracker", "forkserver")
+# How multiprocessing starts its helpers (``-c 'from multiprocessing.forkserver import
+# main; ...'``): the module names, not a bare word that a forked worker's command line (its
+# parent's, say ``pytest tests/test_forkserver.py``) may hold too.
+HELPER_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.semaphore_tracker",
+                  "multiprocessing.forkserver")
 
 
 def _in_target_worker(worker: int | None) -> bool:
