@@ -48,6 +48,7 @@ class Setup:
     skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
     worker_init_fn: Callable[[int], object] | None = None  # torch's, once per worker process
     worker_type: str = "process"  # or "thread": workers in this process, batches by reference
+    worker_nice: int = 0  # added to each worker process's niceness (os.nice)
     standby: StandbyPool | None = None  # spawn: warm processes for the first workers (issue 13)
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
@@ -63,7 +64,7 @@ class Setup:
             max_batches=self.max_batches if role != "instances" else None,
             max_rss=self.max_rss if role != "instances" else None,
             loads=self._loads_of(source), worker_init_fn=self.worker_init_fn,
-            threaded=self.worker_type == "thread")
+            threaded=self.worker_type == "thread", nice=self.worker_nice)
         return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
                           budget=self.budget, skips=self.skips, standby=self.standby)
 

@@ -76,6 +76,7 @@ class WorkerSpec:
     # torch's worker_init_fn: called with the worker id once per process, after seeding
     worker_init_fn: Callable[[int], object] | None = None
     threaded: bool = False  # worker_type="thread": a thread of the main process
+    nice: int = 0  # worker_nice: added to the niceness the process starts with
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
@@ -98,6 +99,9 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """Entry point of a worker process."""
+    if spec.nice:
+        # Before any work: the consumer's process wins a core when workers fill them all.
+        os.nice(spec.nice)
     # A child forked after the parent used torch's intra-op pool can deadlock on its first
     # parallel op (pytorch#17199); torch's own workers do the same.
     torch.set_num_threads(1)

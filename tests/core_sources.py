@@ -106,3 +106,16 @@ class BigInstances(aioloader.Reader):
     def read(self, data_path: Any) -> Iterator[dict[str, Any]]:
         for i in range(self.n):
             yield {"index": i, "x": torch.full((self.numel,), float(i))}
+
+
+class Niceness(Dataset[dict[str, int]]):
+    """Each sample says the niceness and pid of the process that read it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"nice": os.nice(0), "pid": os.getpid()}

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from test_bench import _run_cli
 
+from aioloader.bench._cli import main as bench_main
+from aioloader.bench._measure import aio_loader
 from aioloader.bench._report import FIRST_METRICS, LAG_METRICS
 from aioloader.bench._runner import (
     LAGGED_SIDES,
@@ -17,7 +20,7 @@ from aioloader.bench._runner import (
     sides,
     spec_for,
 )
-from aioloader.bench._workloads import FIRST, LAG
+from aioloader.bench._workloads import FIRST, LAG, WORKLOADS
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and reads /proc")
 LAG_LABELS = [f"{label} [direct]" for metric, label in LAG_METRICS if metric != "batches_per_s"]
@@ -101,3 +104,24 @@ def test_lag_sides_follow_each_throughput_workload_and_run_async() -> None:
     assert spec_for(plan, "decode", "aioloader").face == "sync"
     first = spec_for(plan, FIRST, "torch")
     assert (first.kind, first.side, first.start_method) == ("first", "torch", "fork")
+
+
+def test_worker_nice_reaches_aioloader_workers_only() -> None:
+    plan = replace(_plan(lag=True), worker_nice=7)
+    niced = {side: spec_for(plan, "tiny", side).worker_nice
+             for side in sides("tiny", 2, ("spdl-thread",), lag=True)}
+    assert niced.pop("aioloader") == niced.pop(LAGGED_SIDES[0]) == 7
+    assert set(niced.values()) == {0}  # torch, the peers, torch's lag run, num_workers=0
+    loader = aio_loader(spec_for(plan, "tiny", "aioloader"), WORKLOADS["tiny"], [0, 1])
+    assert loader.worker_nice == 7
+    loader.close()
+
+
+@pytest.mark.parametrize("argv", [["--worker-nice", "20"],
+                                  ["--worker-nice", "3", "--num-workers", "0"]])
+def test_worker_nice_out_of_range_is_a_usage_error(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench_main(["--quick", "--workloads", "tiny", *argv])
+    assert info.value.code == 2
+    assert "--worker-nice" in capsys.readouterr().err

@@ -111,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"batches), each streaming at least {LAG_MIN_S:g} s; adds lag "
                         "p50/p99/max rows. Separate runs: the throughput rows are measured "
                         "without the ticker")
+    parser.add_argument("--worker-nice", type=_at_least(0), default=0, metavar="N",
+                        help="aioloader's worker_nice (0-19): its worker processes run N "
+                        "nicer than the consumer's; the peers' workers are left as they are "
+                        "(default 0)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing")
@@ -148,6 +152,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             import uvloop  # noqa: F401
         except ImportError:
             parser.error("--loop uvloop: uvloop is not installed")
+    if args.worker_nice > 19 or (args.worker_nice and args.num_workers == 0):
+        parser.error(f"--worker-nice {args.worker_nice}: from 0 to 19, with --num-workers 1 or "
+                     "more (it renices worker processes)")
     batches = default_batches(args.quick)
     if args.batches is not None:
         batches = dict.fromkeys(batches, args.batches)
@@ -159,7 +166,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         workloads = tuple(w for w in workloads if w != "decode")
     plan = Plan(num_workers=args.num_workers, start_method=args.start_method, pairs=pairs,
                 batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout),
-                peers=peers, collate=args.collate, lag=args.lag,
+                peers=peers, collate=args.collate, lag=args.lag, worker_nice=args.worker_nice,
                 lag_min_s=LAG_MIN_S / 10 if args.quick else LAG_MIN_S)
     if args.lag and not any(w in WORKLOADS for w in workloads):
         notes.append(f"--lag: no throughput workload to run beside ({', '.join(WORKLOADS)}); "
@@ -171,6 +178,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"start_method={plan.start_method}, face={plan.face}, loop={plan.loop}, "
               f"pairs={plan.pairs}, collate={plan.collate}"
               + (f", lag runs >= {plan.lag_min_s:g} s (async for)" if plan.lag else "")
+              + (f", aioloader worker_nice={plan.worker_nice}" if plan.worker_nice else "")
               + (f", peers: {', '.join(peers)}" if args.peers else "")
               + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
@@ -223,7 +231,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        "pairs": plan.pairs, "batches": plan.batches, "face": plan.face,
                        "loop": plan.loop, "workloads": list(args.workloads),
                        "peers": list(plan.peers), "collate": plan.collate,
-                       "lag": plan.lag, "lag_min_s": plan.lag_min_s},
+                       "lag": plan.lag, "lag_min_s": plan.lag_min_s,
+                       "worker_nice": plan.worker_nice},
             "machine": machine,
             "workloads": raw,
             "targets": [t.__dict__ for t in found],

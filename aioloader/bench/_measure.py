@@ -55,6 +55,7 @@ class Spec:
     loop: LoopName = "asyncio"
     collate: CollateChoice = "none"
     min_s: float = 0.0  # lag runs: stream at least this long
+    worker_nice: int = 0  # aioloader's worker_nice (--worker-nice); the peers run as they are
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -182,7 +183,8 @@ def aio_loader(spec: Spec, workload: Workload, dataset: Any) -> aioloader.DataLo
     collate, _ = workload.collates(spec.collate)
     return aioloader.DataLoader(
         dataset, batch_size=workload.batch_size, num_workers=spec.num_workers,
-        start_method=spec.start_method, collate_fn=collate, quiet=True, seed=0)
+        start_method=spec.start_method, collate_fn=collate, quiet=True, seed=0,
+        worker_nice=spec.worker_nice)
 
 
 def peer_setup(spec: Spec, workload: Workload) -> Setup:

@@ -45,6 +45,7 @@ class Plan:
     collate: CollateChoice = "none"
     lag: bool = False  # also a 1 ms ticker's lag beside each throughput workload (--lag)
     lag_min_s: float = LAG_MIN_S
+    worker_nice: int = 0  # aioloader's worker processes only (--worker-nice)
 
 
 def isolated(spec: Spec, timeout: float) -> Result:
@@ -196,9 +197,10 @@ def spec_for(plan: Plan, workload: str, side: str) -> Spec:
     base = Spec(kind=kind, side=side, workload=workload,
                 num_workers=plan.num_workers, start_method=plan.start_method,
                 batches=plan.batches[workload], face=plan.face, loop=plan.loop,
-                collate=plan.collate)
+                collate=plan.collate,
+                worker_nice=plan.worker_nice if side.removeprefix(LAGGED) == "aioloader" else 0)
     if side == ZERO:
-        return replace(base, side="aioloader", num_workers=0)
+        return replace(base, side="aioloader", num_workers=0, worker_nice=0)
     if side.startswith(LAGGED):  # always `async for`: lag is a property of the event loop
         return replace(base, kind="lag", side=side.removeprefix(LAGGED), face="async",
                        min_s=plan.lag_min_s)
