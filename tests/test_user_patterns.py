@@ -409,3 +409,21 @@ def test_distributed_sampler_set_epoch_every_epoch_never_closed(two_ranks):
         seen = epochs[0][e]["indices"] + epochs[1][e]["indices"]
         assert sorted(seen) == list(range(issue9_dist.N)), f"epoch {e}"
     assert epochs[0][0]["indices"] != epochs[0][1]["indices"], "set_epoch reshuffles"
+
+
+def test_a_closed_quiet_loader_leaves_no_thread_in_the_users_process():
+    # A disabled tqdm still starts tqdm's monitor thread: quiet=True must not make one; the
+    # sync adapter's planning thread ends with close().
+    script = (
+        "import threading, aioloader\n"
+        "loader = aioloader.DataLoader(list(range(10)), batch_size=4, quiet=True)\n"
+        "for _ in range(2):\n"
+        "    assert [len(b) for b in loader] == [4, 4, 2]\n"
+        "loader.close()\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.split() == ["['MainThread']"]  # nor any other thread, once it is closed
