@@ -177,8 +177,6 @@ class Portal:
         if loop is not None:
             if running_loop() is None:
                 loop.run_until_complete(loop.shutdown_asyncgens())
-                # Its planning thread ends now, not some time after close() returned.
-                loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
         if tloop is not None and thread is not None:
             if thread is threading.current_thread():
