@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
+import traceback
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -106,6 +107,13 @@ class Portal:
         task = loop.create_task(coro)
         try:
             return loop.run_until_complete(task)
+        except StopAsyncIteration as end:
+            # An epoch's end, every epoch: its traceback runs through finished frames that
+            # hold the task (asyncio's own among them), and the task holds the exception.
+            # Their locals go now, or that cycle would keep the caller's frame, and the
+            # epoch's last batch in it, alive until the cyclic GC ran.
+            traceback.clear_frames(end.__traceback__)
+            raise
         except BaseException:
             # Ctrl-C (or any exception raised from the loop itself) left the step running:
             # cancel it and let it unwind (its epoch stops its workers), then go on.
@@ -114,6 +122,8 @@ class Portal:
                 with contextlib.suppress(BaseException):
                     loop.run_until_complete(task)
             raise
+        finally:
+            del task  # this frame is in that traceback too
 
     def _let_go(self) -> None:
         """Run what other threads handed over while we drove, then release the loop."""

@@ -433,3 +433,36 @@ def test_a_closed_quiet_loader_leaves_no_thread_in_the_users_process():
                          timeout=120, check=True).stdout.splitlines()
     assert "tqdm" not in out[0]
     assert out[1] == "['MainThread']"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("face", ["for", "sync()", "async for"])
+def test_the_last_batch_of_an_epoch_is_freed_when_the_user_drops_it(num_workers, face):
+    # Without the cyclic GC: a batch kept alive by a reference cycle (an exception's
+    # traceback holding the adapter's frames) would hold its memory (host or GPU) until
+    # some later collection, and every epoch's last batch would.
+    loader = aioloader.DataLoader(torch.arange(12.0), batch_size=4, num_workers=num_workers,
+                                  quiet=True)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            if face == "async for":
+                async def last() -> torch.Tensor:
+                    kept = None
+                    async for batch in loader:
+                        kept = batch
+                    return kept
+
+                kept = asyncio.run(last())
+            else:
+                kept = None
+                for batch in (loader if face == "for" else loader.sync()):
+                    kept = batch
+                del batch
+            ref = weakref.ref(kept)
+            del kept
+            assert ref() is None, "the epoch's last batch outlived the user's last reference"
+    finally:
+        gc.enable()
+        loader.close()
