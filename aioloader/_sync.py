@@ -57,6 +57,14 @@ def _orphan_loops_in_child() -> None:
 os.register_at_fork(after_in_child=_orphan_loops_in_child)
 
 
+def _let_frames_go(end: StopAsyncIteration) -> None:
+    """An epoch's end, every epoch: its traceback runs through finished frames that hold
+    the future or task that holds the exception (asyncio's and concurrent.futures' own
+    among them). Their locals go now, or that cycle would keep the caller's frame, and the
+    epoch's last batch in it, alive until the cyclic GC ran."""
+    traceback.clear_frames(end.__traceback__)
+
+
 class Portal:
     """Runs coroutines to completion for synchronous callers, on a loop kept between calls.
 
@@ -108,11 +116,7 @@ class Portal:
         try:
             return loop.run_until_complete(task)
         except StopAsyncIteration as end:
-            # An epoch's end, every epoch: its traceback runs through finished frames that
-            # hold the task (asyncio's own among them), and the task holds the exception.
-            # Their locals go now, or that cycle would keep the caller's frame, and the
-            # epoch's last batch in it, alive until the cyclic GC ran.
-            traceback.clear_frames(end.__traceback__)
+            _let_frames_go(end)
             raise
         except BaseException:
             # Ctrl-C (or any exception raised from the loop itself) left the step running:
@@ -145,11 +149,15 @@ class Portal:
             self._in_flight += 1
         try:
             return fut.result()
+        except StopAsyncIteration as end:
+            _let_frames_go(end)
+            raise
         except BaseException:
             fut.cancel()  # e.g. KeyboardInterrupt here: stop the coroutine there, then go on
             concurrent.futures.wait([fut])
             raise
         finally:
+            del fut  # this frame is in the traceback too
             with self._cond:
                 self._in_flight -= 1
                 self._cond.notify_all()

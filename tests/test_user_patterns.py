@@ -436,7 +436,7 @@ def test_a_closed_quiet_loader_leaves_no_thread_in_the_users_process():
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("face", ["for", "sync()", "async for"])
+@pytest.mark.parametrize("face", ["for", "sync()", "async for", "for, inside a running loop"])
 def test_the_last_batch_of_an_epoch_is_freed_when_the_user_drops_it(num_workers, face):
     # Without the cyclic GC: a batch kept alive by a reference cycle (an exception's
     # traceback holding the adapter's frames) would hold its memory (host or GPU) until
@@ -455,6 +455,14 @@ def test_the_last_batch_of_an_epoch_is_freed_when_the_user_drops_it(num_workers,
                     return kept
 
                 kept = asyncio.run(last())
+            elif face == "for, inside a running loop":  # Jupyter: the adapter's thread loop
+                async def last_sync() -> torch.Tensor:
+                    kept = None
+                    for batch in loader:
+                        kept = batch
+                    return kept
+
+                kept = asyncio.run(last_sync())
             else:
                 kept = None
                 for batch in (loader if face == "for" else loader.sync()):
