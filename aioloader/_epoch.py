@@ -289,7 +289,7 @@ def _show_stall(bar: Any, loader: DataLoader) -> None:
 
 
 class _NoBar:
-    """What a quiet loader's epoch updates: not a disabled tqdm, whose construction starts
+    """What a quiet loader's bars are: not a disabled tqdm, whose construction starts
     tqdm's monitor thread in the user's process and costs the loop ~0.1 ms an epoch."""
 
     disable = True
@@ -301,18 +301,28 @@ class _NoBar:
     def close(self) -> None:
         pass
 
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
 
 _NO_BAR = _NoBar()
 
 
+def progress_bar(quiet: bool, **options: Any) -> Any:
+    """``tqdm(**options)``, or for a quiet loader a bar that does nothing."""
+    return _NO_BAR if quiet else tqdm(**options)
+
+
 def _bar(loader: DataLoader) -> Any:
-    if loader.quiet:
-        return _NO_BAR
     total = loader.batches_per_epoch
-    if total is None and (loader._kind is Kind.MAP or loader._cache is not None):
-        total = len(loader)
-    return tqdm(total=total, initial=loader._cursor.in_epoch,
-                desc="batches", unit="batch", dynamic_ncols=True)
+    if total is None and not loader.quiet and (
+            loader._kind is Kind.MAP or loader._cache is not None):
+        total = len(loader)  # only for a bar that shows it
+    return progress_bar(loader.quiet, total=total, initial=loader._cursor.in_epoch,
+                        desc="batches", unit="batch", dynamic_ncols=True)
 
 
 def _delivered_all(loader: DataLoader) -> bool:

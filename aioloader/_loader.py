@@ -17,7 +17,7 @@ import torch.utils.data
 
 from ._device import DeviceLike, as_device, can_pin
 from ._distributed import all_reduce, topology
-from ._epoch import Epoch, backstop
+from ._epoch import Epoch, backstop, progress_bar
 from ._errors import LoaderBusyError, ResumeError, ResumeWarning
 from ._loads import Retry, SkipLog, SkippedLoad, load_options
 from ._pipeline import BatchOptions
@@ -664,10 +664,8 @@ class DataLoader:
 
     async def _ensure_cache(self) -> CachedInstances:
         if self._cache is None:
-            from tqdm.auto import tqdm
-
             items: list[Any] = []
-            with tqdm(disable=self.quiet, desc="loading instances", unit="instance") as bar:
+            with progress_bar(self.quiet, desc="loading instances", unit="instance") as bar:
                 async for chunk in self._read_pass():
                     items.extend(chunk)
                     bar.update(len(chunk))

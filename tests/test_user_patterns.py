@@ -411,13 +411,17 @@ def test_distributed_sampler_set_epoch_every_epoch_never_closed(two_ranks):
     assert epochs[0][0]["indices"] != epochs[0][1]["indices"], "set_epoch reshuffles"
 
 
-def test_a_closed_quiet_loader_leaves_no_thread_in_the_users_process():
+@pytest.mark.parametrize("source", ["list(range(10))", "Ten()"])  # Ten: a cache fills first
+def test_a_closed_quiet_loader_leaves_no_thread_in_the_users_process(source):
     # A disabled tqdm still starts tqdm's monitor thread, which lives as long as the process:
     # quiet=True must not make one. Every other thread ends by itself once the loader is
     # closed (close() does not wait for them: a sampler stuck in planning must not hang it).
     script = (
         "import threading, aioloader\n"
-        "loader = aioloader.DataLoader(list(range(10)), batch_size=4, quiet=True)\n"
+        "class Ten(aioloader.Reader):\n"
+        "    def read(self, data_path):\n"
+        "        yield from range(10)\n"
+        f"loader = aioloader.DataLoader({source}, batch_size=4, quiet=True)\n"
         "for _ in range(2):\n"
         "    assert [len(b) for b in loader] == [4, 4, 2]\n"
         "loader.close()\n"
