@@ -175,7 +175,7 @@ class DataLoader:
         _validate_worker_type(worker_type, max_worker_restarts=max_worker_restarts,
                               max_batches_per_worker=max_batches_per_worker,
                               max_worker_rss=max_worker_rss)
-        _validate_worker_nice(worker_nice, num_workers=num_workers, worker_type=worker_type)
+        validate_worker_nice(worker_nice, num_workers=num_workers, worker_type=worker_type)
         self._kind = classify(reader)
         self._loads = load_options(reader, self._kind, load_fn=load_fn,
                                    concurrency=concurrency, ordered=ordered, retries=retries,
@@ -783,7 +783,7 @@ def _validate_worker_type(worker_type: str, **process_only: int | None) -> None:
                 "worker_type='process' for that")
 
 
-def _validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> None:
+def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> None:
     if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
         raise ValueError(f"worker_nice must be an int from 0 to 19 (added to each worker "
                          f"process's niceness with os.nice), got {nice!r}")

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .._loader import validate_worker_nice
 from . import _peers, _remote, _resume
 from ._measure import Result, Spec
 from ._remote import REMOTE
@@ -152,9 +153,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             import uvloop  # noqa: F401
         except ImportError:
             parser.error("--loop uvloop: uvloop is not installed")
-    if args.worker_nice > 19 or (args.worker_nice and args.num_workers == 0):
-        parser.error(f"--worker-nice {args.worker_nice}: from 0 to 19, with --num-workers 1 or "
-                     "more (it renices worker processes)")
+    try:  # the loader's own rule, before any run starts
+        validate_worker_nice(args.worker_nice, num_workers=args.num_workers,
+                             worker_type="process")
+    except ValueError as exc:
+        parser.error(f"--worker-nice {args.worker_nice}: {exc}")
     batches = default_batches(args.quick)
     if args.batches is not None:
         batches = dict.fromkeys(batches, args.batches)
