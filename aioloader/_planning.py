@@ -60,7 +60,7 @@ class PlanSpec:
     `sampler` is None (plan from batch_size/shuffle/drop_last), an `aioloader.BatchSampler`,
     or a user's index-batch sampler (a torch `BatchSampler`, any iterable of index lists).
 
-    Example:
+    Examples:
         PlanSpec(batch_size=32, shuffle=True, seed=7, rank=1, world_size=4)
     """
 
@@ -114,7 +114,7 @@ def plan_epoch(
     `target_batches`: pad with batches repeated from the start up to this count (the count
     ranks agreed on for `even_batches` over cached readers); never truncates.
 
-    Example:
+    Examples:
         plan_epoch(PlanSpec(batch_size=2, shuffle=True, seed=1), dataset, 3, shared=True)
     """
     policy = sharding(spec, shared=shared)

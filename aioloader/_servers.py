@@ -6,7 +6,7 @@ keeps stdin open as a lifeline: the child stops when it reads EOF there, so it a
 the parent dies. The child reports ``READY <port>`` on stdout; the parent waits on that pipe
 with a deadline. Stopping closes the lifeline, then terminates and kills within bounds.
 
-Example:
+Examples:
     >>> from aioloader.testing import object_server
     >>> with object_server({"a.txt": b"hello"}) as server:  # doctest: +SKIP
     ...     import urllib.request
@@ -61,7 +61,7 @@ def expected_object(name: str, size: int, seed: int = 0) -> bytes:
     A slice of a random pool made once per seed, at an offset hashed from the name: cheap
     enough for thousands of objects a second (generating 100 kB afresh is ~0.4 ms).
 
-    Example:
+    Examples:
         >>> expected_object("000001.bin", 8) == expected_object("000001.bin", 8)
         True
         >>> len(expected_object("x", 100))
@@ -175,7 +175,7 @@ def object_server(objects: Mapping[str, bytes] | None = None, *, count: int = 0,
     ``"reset"`` (the connection is reset), ``"truncate"`` (half the body, then the connection
     closes), ``"delay:2.0"`` (2 s more latency, then the object), ``"ok"``.
 
-    Example:
+    Examples:
         >>> with object_server(count=10, faults={"000003.bin": ["503"]}) as server:
         ...     server.names[:2]
         ('000000.bin', '000001.bin')
@@ -194,7 +194,7 @@ def object_server(objects: Mapping[str, bytes] | None = None, *, count: int = 0,
 def s3_server() -> Iterator[S3Server]:
     """A moto S3 server in a child process, for as long as the block runs.
 
-    Example:
+    Examples:
         >>> with s3_server() as s3:  # doctest: +SKIP
         ...     s3.make_bucket("data", {"train/0.bin": b"..."})
         ...     FsspecReader("s3://data/train/*", storage_options=s3.storage_options)

@@ -4,7 +4,7 @@ The readers are plain module-level classes, so that ``start_method="spawn"`` can
 them. Each decides *where* it misbehaves from :func:`aioloader.get_worker_info`, so a test
 can make exactly one worker fail while the others keep going.
 
-Example:
+Examples:
     >>> import aioloader
     >>> from aioloader.testing import FailingReader, leak_check
     >>> loader = aioloader.DataLoader(FailingReader(10, fail_at=3), batch_size=2,
@@ -293,26 +293,84 @@ def _shm() -> set[str]:
         return set()
 
 
+_REGISTERED: dict[str, int] = {}  # /dev/shm name -> registrations by this process, unmatched
+_SHM_FILE = {"semaphore": "sem.{}", "shared_memory": "{}"}  # resource tracker name -> file
+
+
+def _track_registrations() -> None:
+    """Count this process's own named semaphores and shared-memory blocks: multiprocessing
+    registers each with its resource tracker while it exists (wrapped once, idempotent)."""
+    from multiprocessing import resource_tracker
+
+    if getattr(resource_tracker, "_aioloader_tracked", False):
+        return
+    # multiprocessing calls the module's functions (bound methods of its one tracker)
+    register, unregister = resource_tracker.register, resource_tracker.unregister
+
+    def file_of(name: str, rtype: str) -> str | None:
+        pattern = _SHM_FILE.get(rtype)
+        return pattern.format(name.lstrip("/")) if pattern else None
+
+    def tracked_register(name: str, rtype: str) -> None:
+        if (path := file_of(name, rtype)) is not None:
+            _REGISTERED[path] = _REGISTERED.get(path, 0) + 1
+        register(name, rtype)
+
+    def tracked_unregister(name: str, rtype: str) -> None:
+        if (path := file_of(name, rtype)) is not None and _REGISTERED.get(path, 0) > 0:
+            _REGISTERED[path] -= 1
+        unregister(name, rtype)
+
+    resource_tracker.register = tracked_register  # type: ignore[assignment]
+    resource_tracker.unregister = tracked_unregister  # type: ignore[assignment]
+    resource_tracker._aioloader_tracked = True  # type: ignore[attr-defined]
+
+
+def _shm_owned(pids: set[int]) -> set[str]:
+    """The /dev/shm names that are this process tree's own: open or mapped by one of
+    ``pids``, named after one of them (torch's ``torch_<pid>_...``), or registered by this
+    process with multiprocessing's resource tracker and not yet unregistered. Names made by
+    other programs on the machine are none of these (issue 19: the whole /dev/shm flaked)."""
+    owned = {name for name, count in _REGISTERED.items() if count > 0}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        owned.add(target[len("/dev/shm/"):].removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                if " /dev/shm/" in line:
+                    owned.add(line.split(" /dev/shm/", 1)[1].strip().removesuffix(" (deleted)"))
+    marks = tuple(f"_{pid}_" for pid in pids)
+    return owned | {name for name in _shm() if any(mark in name for mark in marks)}
+
+
 class LeakError(AssertionError):
     """Processes, fds or /dev/shm entries outlived the checked block."""
 
 
 @dataclass
 class LeakSnapshot:
-    """What this process holds: child processes, open fds, /dev/shm entries."""
+    """What this process holds: child processes, open fds, /dev/shm entries (all of them,
+    and which of them are this process tree's own)."""
 
     children: set[int] = field(default_factory=set)
     fds: dict[int, str] = field(default_factory=dict)
     shm: set[str] = field(default_factory=set)
+    own_shm: set[str] = field(default_factory=set)
 
     @classmethod
     def take(cls, include_helpers: bool = False) -> LeakSnapshot:
-        kids = {p for p in descendants() if include_helpers or not is_helper(p)}
+        everyone = descendants()
+        kids = {p for p in everyone if include_helpers or not is_helper(p)}
         fds = _fds()
         if not include_helpers:
             for fd in _helper_fds():
                 fds.pop(fd, None)
-        return cls(kids, fds, _shm())
+        _track_registrations()
+        return cls(kids, fds, _shm(), _shm_owned({os.getpid(), *everyone}))
 
     def new_since(self, baseline: LeakSnapshot) -> list[str]:
         """Human-readable lines for everything here that the baseline lacks."""
@@ -325,7 +383,7 @@ class LeakSnapshot:
         if fds:
             problems.append("fds still open: " + ", ".join(
                 f"{fd} -> {target}" for fd, target in sorted(fds.items())))
-        shm = self.shm - baseline.shm
+        shm = (self.own_shm & self.shm) - baseline.shm
         if shm:
             problems.append(f"/dev/shm entries left: {sorted(shm)}")
         return problems
@@ -376,7 +434,7 @@ def leak_check(deadline: float = 10.0, include_helpers: bool = False) -> Iterato
     with :class:`LeakError`; leftover processes are then killed so the next test starts
     clean. Call :func:`warm_up` once before the first check.
 
-    Example:
+    Examples:
         >>> from aioloader.testing import leak_check
         >>> with leak_check(deadline=5):
         ...     pass

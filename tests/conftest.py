@@ -3,7 +3,7 @@
 * SIGALRM fails a test that runs past its deadline (default 60 s,
   ``@pytest.mark.deadline(s)``); faulthandler dumps every thread and ends the run 60 s later
   if even that does not get through;
-* an autouse fixture fails a test whose child processes, fds or /dev/shm entries outlive
+* an autouse fixture fails a test whose child processes, fds or own /dev/shm entries outlive
   it by more than 10 s (``aioloader.testing.leak_check``), and kills those processes so the
   next test starts clean. ``@pytest.mark.leaks_ok`` skips it.
 """
