@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -311,18 +312,45 @@ class _NoBar:
 _NO_BAR = _NoBar()
 
 
-def progress_bar(quiet: bool, **options: Any) -> Any:
-    """``tqdm(**options)``, or for a quiet loader a bar that does nothing."""
-    return _NO_BAR if quiet else tqdm(**options)
+def shows_bars(quiet: bool | None) -> bool:
+    """Whether a bar is drawn now: ``quiet=None`` follows tqdm's convention (a terminal or a
+    notebook, not a log file or CI), asked as each bar is built so a redirected stderr counts.
+
+    torch's loader prints nothing; a script ported by its import must not fill logs (issue 19).
+    """
+    if quiet is not None:
+        return not quiet
+    isatty = getattr(sys.stderr, "isatty", None)  # stderr is None under pythonw, or a stand-in
+    try:
+        if isatty is not None and isatty():
+            return True
+    except (OSError, ValueError):  # a closed stderr
+        pass
+    return _in_notebook()
+
+
+def _in_notebook() -> bool:
+    """A Jupyter kernel, whose stderr is no TTY but shows bars; asked without importing
+    IPython (a fraction of a second), which a kernel has imported already."""
+    app = getattr(sys.modules.get("ipykernel.kernelapp"), "IPKernelApp", None)
+    initialized = getattr(app, "initialized", None)  # traitlets' SingletonConfigurable
+    return callable(initialized) and bool(initialized())
+
+
+def progress_bar(quiet: bool | None, **options: Any) -> Any:
+    """``tqdm(**options)`` where bars are shown (:func:`shows_bars`), else a bar that does
+    nothing."""
+    return tqdm(**options) if shows_bars(quiet) else _NO_BAR
 
 
 def _bar(loader: DataLoader) -> Any:
+    if not shows_bars(loader.quiet):
+        return _NO_BAR
     total = loader.batches_per_epoch
-    if total is None and not loader.quiet and (
-            loader._kind is Kind.MAP or loader._cache is not None):
+    if total is None and (loader._kind is Kind.MAP or loader._cache is not None):
         total = len(loader)  # only for a bar that shows it
-    return progress_bar(loader.quiet, total=total, initial=loader._cursor.in_epoch,
-                        desc="batches", unit="batch", dynamic_ncols=True)
+    return tqdm(total=total, initial=loader._cursor.in_epoch, desc="batches", unit="batch",
+                dynamic_ncols=True)
 
 
 def _delivered_all(loader: DataLoader) -> bool:
