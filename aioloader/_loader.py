@@ -19,7 +19,9 @@ from ._device import DeviceLike, as_device, can_pin
 from ._distributed import all_reduce, topology
 from ._epoch import Epoch, backstop, progress_bar
 from ._errors import LoaderBusyError, ResumeError, ResumeWarning
-from ._loads import Retry, SkipLog, SkippedLoad, load_options
+from ._loads import Retry, SkipLog, SkippedLoad
+from ._options import check_arguments
+from ._options import validate_worker_nice as validate_worker_nice  # the bench's import
 from ._pipeline import BatchOptions
 from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
 from ._position import StreamPosition, is_stateful
@@ -27,15 +29,12 @@ from ._producers import CachedInstances, Plan
 from ._samplers import BatchSampler
 from ._session import PassDone, Producer, Session
 from ._setup import Setup
-from ._sources import Kind, classify
+from ._sources import Kind
 from ._standby import StandbyPool
 from ._state import Cursor, ResumePoint, make_state, read_state
 from ._stats import NO_ARENA, LoaderStats, Meter
 from ._supervisor import GRACE, RestartBudget, warm_forkserver
 from ._sync import Portal, SyncLoader, running_loop
-
-START_METHODS = ("fork", "spawn", "forkserver")
-WORKER_TYPES = ("process", "thread")
 
 
 class _Box:
@@ -101,6 +100,11 @@ class DataLoader:
     same throughput. It is not the default because the workers then also yield to every
     other process of this machine at normal priority (docs/performance.md).
 
+    ``quiet=None`` (the default) follows tqdm's convention: a progress bar for each epoch
+    (and for reading a reader into its cache) when stderr is a terminal or in a Jupyter
+    notebook, nothing when stderr is redirected (logs, CI), as torch prints nothing. It is
+    decided as each bar starts. ``quiet=True`` never shows bars; ``quiet=False`` always does.
+
     Examples:
         >>> import aioloader
         >>> class Squares(aioloader.Reader):
@@ -128,7 +132,7 @@ class DataLoader:
         worker_type: str = "process",
         worker_nice: int = 0,
         cuda_device: DeviceLike | None = None,
-        quiet: bool = False,
+        quiet: bool | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         seed: int | None = None,
         timeout: float | None = None,
@@ -154,57 +158,27 @@ class DataLoader:
         pin_memory: bool = False,
         pin_memory_device: str = "",
     ) -> None:
-        start_method = _start_method(start_method, multiprocessing_context)
-        prefetch = _prefetch_of(prefetch, prefetch_factor, num_workers)
-        if timeout == 0:
-            timeout = None  # torch's default: no timeout
-        _validate(batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
-                  batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
-                  num_workers=num_workers, max_instances_in_memory=max_instances_in_memory,
-                  start_method=start_method, timeout=timeout, prefetch=prefetch,
-                  max_worker_restarts=max_worker_restarts, log_every=log_every)
-        _validate_torch(sampler=sampler, shuffle=shuffle, batch_sampler=batch_sampler,
-                        worker_init_fn=worker_init_fn, generator=generator,
-                        flags={"persistent_workers": persistent_workers, "in_order": in_order,
-                               "pin_memory": pin_memory})
-        for name, value in (("max_batches_per_worker", max_batches_per_worker),
-                            ("max_worker_rss", max_worker_rss)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-        _validate_worker_type(worker_type, max_worker_restarts=max_worker_restarts,
-                              max_batches_per_worker=max_batches_per_worker,
-                              max_worker_rss=max_worker_rss)
-        validate_worker_nice(worker_nice, num_workers=num_workers, worker_type=worker_type)
-        self._kind = classify(reader)
-        self._loads = load_options(reader, self._kind, load_fn=load_fn,
-                                   concurrency=concurrency, ordered=ordered, retries=retries,
-                                   on_error=on_error)
-        if self._loads is not None and not self._loads.ordered and (
-                max_worker_restarts or max_batches_per_worker or max_worker_rss):
-            raise ValueError(
-                "ordered=False cannot be combined with max_worker_restarts, "
-                "max_batches_per_worker or max_worker_rss: a replacement worker goes on from "
-                "a position in the keys, and loads that finish out of order have none. Use "
-                "ordered=True (loads still overlap; only the hand-over order is kept)")
-        if (not persistent_workers and num_workers and batches_per_epoch is not None
-                and self._loads is not None and not self._loads.ordered
-                and self._kind is not Kind.MAP):
-            raise ValueError(
-                "persistent_workers=False with batches_per_epoch and ordered=False: the next "
-                "epoch's workers would have to go on from a position in the keys, and loads "
-                "that finish out of order have none. Keep persistent_workers=True")
-        if self._kind is not Kind.MAP and sampler is not None:
-            raise ValueError(
-                f"sampler {type(sampler).__name__} yields indices, which only a map-style "
-                "Dataset can use (torch's DataLoader refuses it too); a reader or an "
-                "IterableDataset orders its own instances")
-        if self._kind is not Kind.MAP and batch_sampler is not None and not isinstance(
-                batch_sampler, BatchSampler):
-            raise ValueError(
-                f"batch_sampler {type(batch_sampler).__name__} yields indices, which only a "
-                "map-style Dataset can use; for a reader pass an aioloader.BatchSampler "
-                "(such as aioloader.BucketBatchSampler)")
+        args = check_arguments(
+            reader, data_path, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
+            batch_sampler=batch_sampler, batches_per_epoch=batches_per_epoch,
+            num_workers=num_workers, max_instances_in_memory=max_instances_in_memory,
+            start_method=start_method, worker_type=worker_type, worker_nice=worker_nice,
+            cuda_device=cuda_device, quiet=quiet, collate_fn=collate_fn, seed=seed,
+            timeout=timeout, prefetch=prefetch, even_batches=even_batches,
+            zero_copy=zero_copy, max_worker_restarts=max_worker_restarts,
+            max_batches_per_worker=max_batches_per_worker, max_worker_rss=max_worker_rss,
+            log_every=log_every, load_fn=load_fn, concurrency=concurrency, ordered=ordered,
+            retries=retries, on_error=on_error, sampler=sampler, worker_init_fn=worker_init_fn,
+            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+            generator=generator, in_order=in_order,
+            multiprocessing_context=multiprocessing_context, pin_memory=pin_memory,
+            pin_memory_device=pin_memory_device)
+        # As checked: numpy integers as ints, torch's spellings as ours.
+        batch_size, shuffle, num_workers, seed = (args.batch_size, args.shuffle,
+                                                  args.num_workers, args.seed)
+        max_instances_in_memory, start_method = args.max_instances_in_memory, args.start_method
+        max_worker_restarts = args.max_worker_restarts
+        self._kind, self._loads = args.kind, args.loads
         self.reader = reader
         self.data_path = data_path
         self.batch_size = batch_size
@@ -214,29 +188,29 @@ class DataLoader:
         if sampler is not None:
             # torch's auto-batching, and the path a user's batch sampler takes (planned when
             # its epoch starts, never split again across ranks): no second planner.
-            assert batch_size is not None  # _validate: batch_size or batch_sampler
+            assert batch_size is not None  # checked: batch_size or batch_sampler
             batch_sampler = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
         self.batch_sampler = batch_sampler
-        self.batches_per_epoch = batches_per_epoch
+        self.batches_per_epoch = args.batches_per_epoch
         self.num_workers = num_workers
         self.max_instances_in_memory = max_instances_in_memory
         self.start_method = start_method
         self.worker_type = worker_type
-        self.worker_nice = worker_nice
+        self.worker_nice = args.worker_nice
         self.quiet = quiet
         self.collate_fn = collate_fn
         self.seed = seed
-        self.timeout = timeout
-        self.prefetch = prefetch
+        self.timeout = args.timeout
+        self.prefetch = args.prefetch
         self.even_batches = even_batches
         self.zero_copy = zero_copy
         self.max_worker_restarts = max_worker_restarts
-        self.max_batches_per_worker = max_batches_per_worker
-        self.max_worker_rss = max_worker_rss
+        self.max_batches_per_worker = args.max_batches_per_worker
+        self.max_worker_rss = args.max_worker_rss
         self.load_fn = load_fn
         self.concurrency = self._loads.concurrency if self._loads is not None else None
         self.ordered = ordered
-        self.retries = retries
+        self.retries = args.retries
         self.on_error = on_error
         self.worker_init_fn = worker_init_fn
         self.persistent_workers = persistent_workers
@@ -254,7 +228,7 @@ class DataLoader:
         self._next_log = 0.0
         if log_every is not None:
             _stats_to_stderr()
-        self._device = as_device(cuda_device)
+        self._device = args.device
         self._topo = topology(even_batches)
         if seed is None and generator is not None:
             # torch's base seed: one draw from the user's generator.
@@ -355,7 +329,7 @@ class DataLoader:
         consumer waited for them and its share of the run ("data stall"), the workers'
         rates and busy shares, the arena's slots, restarts. Cheap enough for every step.
 
-        Example:
+        Examples:
             >>> loader = DataLoader(list(range(8)), batch_size=4, quiet=True)
             >>> _ = list(loader)
             >>> loader.stats().batches
@@ -400,7 +374,7 @@ class DataLoader:
         arguments, given it with :meth:`load_state_dict`, produces exactly the batches this
         one would have produced next, whatever was prefetched or in flight.
 
-        Example:
+        Examples:
             >>> loader = DataLoader(list(range(10)), batch_size=4, quiet=True)
             >>> first = next(iter(loader))
             >>> again = DataLoader(list(range(10)), batch_size=4, quiet=True)
@@ -730,93 +704,6 @@ def _stream_seeds(spec: PlanSpec) -> Callable[[int], int]:
     return lambda pass_no: worker_seed(spec, pass_no, 0)
 
 
-def _start_method(start_method: str, context: Any) -> str:
-    """torch's ``multiprocessing_context`` (a start method's name, or a context from
-    ``multiprocessing.get_context``) as our ``start_method``."""
-    if context is None:
-        return start_method
-    if isinstance(context, str):
-        method = context
-    elif callable(getattr(context, "get_start_method", None)):
-        method = context.get_start_method()
-    else:
-        raise ValueError("multiprocessing_context must be a start method's name or a "
-                         "context from multiprocessing.get_context(...), got "
-                         f"{context!r}")
-    if method not in START_METHODS:
-        raise ValueError(f"multiprocessing_context must be one of {', '.join(START_METHODS)}; "
-                         f"got {context!r}")
-    if start_method != "fork" and start_method != method:
-        raise ValueError(f"start_method={start_method!r} conflicts with "
-                         f"multiprocessing_context={context!r}: give one of them")
-    return method
-
-
-def _prefetch_of(prefetch: int | None, prefetch_factor: int | None, num_workers: int) -> int:
-    """Slots per worker: ``prefetch``, or torch's ``prefetch_factor`` (batches loaded in
-    advance per worker, which is what a slot holds)."""
-    if prefetch_factor is None:
-        return 4 if prefetch is None else prefetch
-    if num_workers == 0:
-        raise ValueError("prefetch_factor can only be given with num_workers > 0 (as with "
-                         "torch's DataLoader): without workers nothing is loaded ahead")
-    if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or (
-            prefetch_factor < 1):
-        raise ValueError(f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}")
-    if prefetch is not None and prefetch != prefetch_factor:
-        raise ValueError(f"prefetch={prefetch} and prefetch_factor={prefetch_factor} are the "
-                         "same option (batches in flight per worker): give one of them")
-    return prefetch_factor
-
-
-def _validate_worker_type(worker_type: str, **process_only: int | None) -> None:
-    if worker_type not in WORKER_TYPES:
-        raise ValueError(f"worker_type must be one of {', '.join(map(repr, WORKER_TYPES))}; "
-                         f"got {worker_type!r}")
-    if worker_type == "thread":
-        given = [f"{name}={value!r}" for name, value in process_only.items() if value]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)} cannot be used with worker_type='thread': threads share "
-                "this process's memory (no resident size of their own to watch) and cannot "
-                "be killed, so they are never restarted or recycled. Use "
-                "worker_type='process' for that")
-
-
-def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> None:
-    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-        raise ValueError(f"worker_nice must be an int from 0 to 19 (added to each worker "
-                         f"process's niceness with os.nice), got {nice!r}")
-    if nice and (num_workers == 0 or worker_type == "thread"):
-        raise ValueError(
-            f"worker_nice={nice} applies to worker processes, and this loader has none "
-            f"({'num_workers=0' if num_workers == 0 else 'worker_type=' + repr(worker_type)}"
-            "): its work runs in this process, at this process's priority. Leave "
-            "worker_nice=0, or use worker processes")
-
-
-def _validate_torch(*, sampler: Any, shuffle: bool, batch_sampler: Any,
-                    worker_init_fn: Any, generator: Any, flags: dict[str, Any]) -> None:
-    """The rules of torch's DataLoader for the arguments it has and AllenNLP's has not."""
-    if sampler is not None:
-        if shuffle:
-            raise ValueError("sampler is mutually exclusive with shuffle (as in torch): the "
-                             "sampler decides the order; use RandomSampler to shuffle")
-        if batch_sampler is not None:
-            raise ValueError("sampler is mutually exclusive with batch_sampler (as in torch): "
-                             "put the sampler inside the batch sampler")
-        if isinstance(sampler, (str, bytes)) or not hasattr(sampler, "__iter__"):
-            raise ValueError(f"sampler must be an iterable of indices (a torch Sampler), "
-                             f"got {sampler!r}")
-    if worker_init_fn is not None and not callable(worker_init_fn):
-        raise ValueError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {generator!r}")
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
 def _pinning_available(device: str) -> bool:
     """torch's rule for ``pin_memory=True``: without an accelerator it warns and pins
     nothing (the batches are still good); ``pin_memory_device`` is deprecated there and
@@ -830,44 +717,3 @@ def _pinning_available(device: str) -> bool:
     warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
                   "device pinned memory won't be used.", stacklevel=3)
     return False
-
-
-def _validate(*, batch_size: int | None, drop_last: bool, shuffle: bool, batch_sampler: Any,
-              batches_per_epoch: int | None, num_workers: int,
-              max_instances_in_memory: int | None, start_method: str, timeout: float | None,
-              prefetch: int, max_worker_restarts: int, log_every: float | None) -> None:
-    """The constructor's rules (AllenNLP's MultiProcessDataLoader's, plus a few)."""
-    if num_workers is None or num_workers < 0:
-        raise ValueError(f"num_workers cannot be negative, got {num_workers}")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    if batch_sampler is not None:
-        for name, value, unset in (("batch_size", batch_size, None), ("drop_last", drop_last,
-                                   False), ("shuffle", shuffle, False)):
-            if value != unset:
-                raise ValueError(f"batch_sampler is mutually exclusive with {name}: the "
-                                 "sampler decides how instances are batched")
-    elif batch_size is None:
-        raise ValueError("batch_size is required when batch_sampler is not given")
-    if batches_per_epoch is not None and batches_per_epoch < 1:
-        raise ValueError(f"batches_per_epoch must be at least 1, got {batches_per_epoch}")
-    if max_instances_in_memory is not None:
-        if max_instances_in_memory < 1:
-            raise ValueError(
-                f"max_instances_in_memory must be at least 1, got {max_instances_in_memory}")
-        if batch_size is not None and max_instances_in_memory < batch_size:
-            raise ValueError(f"max_instances_in_memory ({max_instances_in_memory}) must be at "
-                             f"least batch_size ({batch_size})")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}; "
-                         f"got {start_method!r}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-    if isinstance(max_worker_restarts, bool) or not isinstance(max_worker_restarts, int) or (
-            max_worker_restarts < 0):
-        raise ValueError("max_worker_restarts must be an int >= 0 (0: a dead worker ends the "
-                         f"epoch), got {max_worker_restarts!r}")
-    if log_every is not None and not log_every > 0:
-        raise ValueError(f"log_every must be a positive number of seconds, got {log_every!r}")

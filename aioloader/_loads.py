@@ -157,13 +157,9 @@ def load_options(source: Any, kind: Kind, *, load_fn: Callable[[Any], Any] | Non
                  concurrency: int | None, ordered: bool, retries: int | Retry,
                  on_error: str) -> LoadOptions | None:
     """The load stage the loader's arguments ask for; None when there is none. Raises
-    ValueError for an option that needs a stage when there is none, or a bad value."""
-    if on_error != "raise" and on_error != "skip":
-        raise ValueError(f'on_error must be "raise" or "skip", got {on_error!r}')
+    ValueError for an option that needs a stage when there is none. Each argument's own
+    type and range were checked before (aioloader/_options.py)."""
     retry = retries if isinstance(retries, Retry) else Retry(retries)
-    if load_fn is not None and not callable(load_fn):
-        raise ValueError(f"load_fn must be callable (key -> instance), got "
-                         f"{type(load_fn).__name__}")
     own = own_load(source, kind) if load_fn is None else None
     if load_fn is None and own is None:
         given = [name for name, value, default in (
@@ -178,9 +174,6 @@ def load_options(source: Any, kind: Kind, *, load_fn: Callable[[Any], Any] | Non
         return None
     if concurrency is None:
         concurrency = DEFAULT_CONCURRENCY
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency must be an int >= 1 (loads in flight per worker), got "
-                         f"{concurrency!r}")
     if not ordered and kind is Kind.MAP:
         raise ValueError("ordered=False applies to readers and IterableDatasets; a map-style "
                          "dataset's batches follow its sampler (loads overlap either way)")

@@ -1,0 +1,376 @@
+"""The DataLoader's arguments checked in one place: each one's type and range, then the rules
+between them, before anything is read or started (issue 19)."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+import reprlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._device import DeviceLike, as_device
+from ._loads import LoadOptions, Retry, load_options
+from ._samplers import BatchSampler
+from ._sources import Kind, classify
+
+START_METHODS = ("fork", "spawn", "forkserver")
+WORKER_TYPES = ("process", "thread")
+DEFAULT_PREFETCH = 4
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError``, as torch raises for one. Also a
+    ``ValueError``, which is what the loader raised for several of these before issue 19, so
+    that an ``except ValueError`` written then still catches them."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The arguments as the loader keeps them: ints as ``int`` (a numpy integer too), and
+    torch's spellings (``prefetch_factor``, ``multiprocessing_context``, ``timeout=0``,
+    ``shuffle=None``) turned into ours."""
+
+    kind: Kind
+    loads: LoadOptions | None
+    batch_size: int | None
+    shuffle: bool
+    batches_per_epoch: int | None
+    num_workers: int
+    max_instances_in_memory: int | None
+    start_method: str
+    worker_nice: int
+    device: torch.device | None
+    seed: int | None
+    timeout: float | None
+    prefetch: int
+    max_worker_restarts: int
+    max_batches_per_worker: int | None
+    max_worker_rss: int | None
+    retries: int | Retry
+
+
+def check_arguments(
+    reader: Any, data_path: Any, *, batch_size: Any, drop_last: Any, shuffle: Any,
+    batch_sampler: Any, batches_per_epoch: Any, num_workers: Any,
+    max_instances_in_memory: Any, start_method: Any, worker_type: Any, worker_nice: Any,
+    cuda_device: Any, quiet: Any, collate_fn: Any, seed: Any, timeout: Any, prefetch: Any,
+    even_batches: Any, zero_copy: Any, max_worker_restarts: Any,
+    max_batches_per_worker: Any, max_worker_rss: Any, log_every: Any, load_fn: Any,
+    concurrency: Any, ordered: Any, retries: Any, on_error: Any, sampler: Any,
+    worker_init_fn: Any, persistent_workers: Any, prefetch_factor: Any, generator: Any,
+    in_order: Any, multiprocessing_context: Any, pin_memory: Any, pin_memory_device: Any,
+) -> Checked:
+    """Every rule of ``DataLoader(...)``: ``TypeError`` for a wrong type
+    (:class:`ArgumentTypeError`), ``ValueError`` for a wrong value or combination; each
+    message names the argument, what it got and what it takes."""
+    kind = classify(reader)
+    _positional_batch_size(data_path, kind)
+    # ------------------------------------------------------------ each argument alone
+    batch_size = _optional_int("batch_size", batch_size, "a positive int or None", least=1)
+    _flag("drop_last", drop_last)
+    shuffle = False if shuffle is None else _flag("shuffle", shuffle, "True, False or None")
+    _batch_sampler(batch_sampler)
+    batches_per_epoch = _optional_int("batches_per_epoch", batches_per_epoch,
+                                      "a positive int or None", least=1)
+    num_workers = _int("num_workers", num_workers, "an int >= 0 (0: no worker processes)",
+                       least=0)
+    max_instances_in_memory = _optional_int(
+        "max_instances_in_memory", max_instances_in_memory, "a positive int or None", least=1)
+    _choice("start_method", start_method, START_METHODS)
+    _choice("worker_type", worker_type, WORKER_TYPES)
+    device = _device(cuda_device)
+    if quiet is not None:
+        _flag("quiet", quiet, "True, False or None")
+    _callable("collate_fn", collate_fn, "a list of samples -> a batch")
+    seed = _optional_int("seed", seed, "an int or None", least=None)
+    timeout = _timeout(timeout)
+    prefetch = _optional_int("prefetch", prefetch, "a positive int or None", least=1)
+    _flag("even_batches", even_batches)
+    _flag("zero_copy", zero_copy)
+    max_worker_restarts = _int("max_worker_restarts", max_worker_restarts,
+                               "an int >= 0 (0: a dead worker ends the epoch)", least=0)
+    max_batches_per_worker = _optional_int("max_batches_per_worker", max_batches_per_worker,
+                                           "None or an int >= 1", least=1)
+    max_worker_rss = _optional_int("max_worker_rss", max_worker_rss,
+                                   "None or an int >= 1 (bytes)", least=1)
+    if log_every is not None:
+        _seconds("log_every", log_every, "a positive number of seconds or None")
+    _callable("load_fn", load_fn, "key -> instance")
+    concurrency = _optional_int("concurrency", concurrency,
+                                "an int >= 1 (loads in flight per worker) or None", least=1)
+    _flag("ordered", ordered)
+    if not isinstance(retries, Retry):
+        retries = _int("retries", retries, "an int >= 0 or an aioloader.Retry", least=0)
+    _choice("on_error", on_error, ("raise", "skip"), '"raise" or "skip"')
+    _sampler(sampler)
+    _callable("worker_init_fn", worker_init_fn, "worker id -> None")
+    _flag("persistent_workers", persistent_workers)
+    prefetch_factor = _optional_int("prefetch_factor", prefetch_factor,
+                                    "an int >= 1 or None", least=1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ArgumentTypeError(f"generator must be a torch.Generator or None, got "
+                                f"{_got(generator)}")
+    _flag("in_order", in_order)
+    _flag("pin_memory", pin_memory)
+    if not isinstance(pin_memory_device, str):
+        raise ArgumentTypeError(f"pin_memory_device must be a str, got "
+                                f"{_got(pin_memory_device)}")
+    # ------------------------------------------------------------ rules between them
+    start_method = _start_method(start_method, multiprocessing_context)
+    prefetch = _prefetch_of(prefetch, prefetch_factor, num_workers)
+    _batching(data_path, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
+              batch_sampler=batch_sampler, max_instances_in_memory=max_instances_in_memory)
+    _torch_samplers(kind, sampler=sampler, shuffle=shuffle, batch_sampler=batch_sampler)
+    _process_only(worker_type, max_worker_restarts=max_worker_restarts,
+                  max_batches_per_worker=max_batches_per_worker, max_worker_rss=max_worker_rss)
+    worker_nice = validate_worker_nice(worker_nice, num_workers=num_workers,
+                                       worker_type=worker_type)
+    loads = load_options(reader, kind, load_fn=load_fn, concurrency=concurrency,
+                         ordered=ordered, retries=retries, on_error=on_error)
+    if loads is not None and not loads.ordered and (
+            max_worker_restarts or max_batches_per_worker or max_worker_rss):
+        raise ValueError(
+            "ordered=False cannot be combined with max_worker_restarts, "
+            "max_batches_per_worker or max_worker_rss: a replacement worker goes on from "
+            "a position in the keys, and loads that finish out of order have none. Use "
+            "ordered=True (loads still overlap; only the hand-over order is kept)")
+    if (not persistent_workers and num_workers and batches_per_epoch is not None
+            and loads is not None and not loads.ordered and kind is not Kind.MAP):
+        raise ValueError(
+            "persistent_workers=False with batches_per_epoch and ordered=False: the next "
+            "epoch's workers would have to go on from a position in the keys, and loads "
+            "that finish out of order have none. Keep persistent_workers=True")
+    return Checked(
+        kind=kind, loads=loads, batch_size=batch_size, shuffle=shuffle,
+        batches_per_epoch=batches_per_epoch, num_workers=num_workers,
+        max_instances_in_memory=max_instances_in_memory, start_method=start_method,
+        worker_nice=worker_nice, device=device, seed=seed, timeout=timeout,
+        prefetch=prefetch, max_worker_restarts=max_worker_restarts,
+        max_batches_per_worker=max_batches_per_worker, max_worker_rss=max_worker_rss,
+        retries=retries)
+
+
+def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> int:
+    """``worker_nice`` as an int from 0 to 19, for a loader that has worker processes."""
+    checked = _int("worker_nice", nice, "an int from 0 to 19 (added to each worker process's "
+                   "niceness with os.nice)", least=0, most=19)
+    if checked and (num_workers == 0 or worker_type == "thread"):
+        raise ValueError(
+            f"worker_nice={checked} applies to worker processes, and this loader has none "
+            f"({'num_workers=0' if num_workers == 0 else 'worker_type=' + repr(worker_type)}"
+            "): its work runs in this process, at this process's priority. Leave "
+            "worker_nice=0, or use worker processes")
+    return checked
+
+
+# ---------------------------------------------------------------- one argument
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def _got(value: Any) -> str:
+    """What an argument got, as its messages say it: ``'4' (str)``."""
+    return f"{_REPR.repr(value)} ({type(value).__name__})"
+
+
+def _int_like(value: Any) -> bool:
+    """An int or what stands for one (a numpy integer: ``operator.index``); not a bool."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+
+
+def _int(name: str, value: Any, what: str, *, least: int | None,
+         most: int | None = None) -> int:
+    if not _int_like(value):
+        raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
+    n = operator.index(value)
+    if (least is not None and n < least) or (most is not None and n > most):
+        raise ValueError(f"{name} must be {what}, got {_got(value)}")
+    return n
+
+
+def _optional_int(name: str, value: Any, what: str, *, least: int | None) -> int | None:
+    return None if value is None else _int(name, value, what, least=least)
+
+
+def _flag(name: str, value: Any, what: str = "True or False") -> bool:
+    # torch refuses a non-bool drop_last too (BatchSampler), numpy's bool_ included.
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
+    return value
+
+
+def _seconds(name: str, value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
+    if not float(value) > 0:  # NaN too
+        raise ValueError(f"{name} must be {what}, got {_got(value)}")
+
+
+def _timeout(value: Any) -> float | None:
+    """``timeout`` as given (an int or float stays one); torch's ``timeout=0`` is None."""
+    if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real)
+                         and value == 0):
+        return None
+    _seconds("timeout", value, "a positive number of seconds, 0 or None (no timeout)")
+    seconds: float = value  # as given: an int stays an int
+    return seconds
+
+
+def _callable(name: str, value: Any, signature: str) -> None:
+    if value is not None and not callable(value):
+        raise ArgumentTypeError(f"{name} must be callable ({signature}) or None, got "
+                                f"{_got(value)}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...], what: str | None = None) -> None:
+    what = what or f"one of {', '.join(map(repr, choices))}"
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _iterable(value: Any) -> bool:
+    return not isinstance(value, (str, bytes)) and hasattr(value, "__iter__")
+
+
+def _sampler(sampler: Any) -> None:
+    if sampler is not None and not _iterable(sampler):
+        raise ArgumentTypeError(f"sampler must be an iterable of indices (a torch Sampler) "
+                                f"or None, got {_got(sampler)}")
+
+
+def _batch_sampler(batch_sampler: Any) -> None:
+    if batch_sampler is None or isinstance(batch_sampler, BatchSampler):
+        return
+    if not _iterable(batch_sampler):
+        raise ArgumentTypeError(
+            "batch_sampler must be an aioloader.BatchSampler, an iterable of index lists (a "
+            f"torch BatchSampler) or None, got {_got(batch_sampler)}")
+
+
+def _device(cuda_device: Any) -> torch.device | None:
+    what = "an int, a str, a torch.device or None"
+    device: DeviceLike | None
+    if cuda_device is None or isinstance(cuda_device, (str, torch.device)):
+        device = cuda_device
+    elif _int_like(cuda_device):
+        device = operator.index(cuda_device)
+    else:
+        raise ArgumentTypeError(f"cuda_device must be {what}, got {_got(cuda_device)}")
+    try:
+        return as_device(device)
+    except ValueError as exc:
+        raise ValueError(f"cuda_device must be a device torch knows, got {_got(cuda_device)}: "
+                         f"{exc.__cause__ or exc}") from exc
+
+
+def _positional_batch_size(data_path: Any, kind: Kind) -> None:
+    """torch's second positional argument is ``batch_size``; ours is ``data_path``, which a
+    Dataset never reads: an int there is a batch size gone to the wrong place."""
+    if kind is not Kind.READER and _int_like(data_path):
+        n = operator.index(data_path)
+        raise ArgumentTypeError(
+            f"{_positional('dataset', n)} (a {kind.value} reads no data_path)")
+
+
+def _positional(source: str, n: int) -> str:
+    return (f"DataLoader({source}, {n}): the second positional argument is data_path, not "
+            f"batch_size; pass batch_size={n}")
+
+
+# ---------------------------------------------------------------- between arguments
+
+
+def _batching(data_path: Any, *, batch_size: int | None, drop_last: bool, shuffle: bool,
+              batch_sampler: Any, max_instances_in_memory: int | None) -> None:
+    """AllenNLP's MultiProcessDataLoader's rules."""
+    if batch_sampler is not None:
+        for name, value, unset in (("batch_size", batch_size, None), ("drop_last", drop_last,
+                                   False), ("shuffle", shuffle, False)):
+            if value != unset:
+                raise ValueError(f"batch_sampler is mutually exclusive with {name}: the "
+                                 "sampler decides how instances are batched")
+    elif batch_size is None:
+        hint = ""
+        if _int_like(data_path):  # a reader may read an int data_path, but needs batches
+            hint = f" ({_positional('reader', operator.index(data_path))}, if that was meant)"
+        raise ValueError(f"batch_size is required when batch_sampler is not given{hint}")
+    if (max_instances_in_memory is not None and batch_size is not None
+            and max_instances_in_memory < batch_size):
+        raise ValueError(f"max_instances_in_memory ({max_instances_in_memory}) must be at "
+                         f"least batch_size ({batch_size})")
+
+
+def _torch_samplers(kind: Kind, *, sampler: Any, shuffle: bool, batch_sampler: Any) -> None:
+    """torch's rules for ``sampler``, and what a reader can use."""
+    if sampler is not None:
+        if shuffle:
+            raise ValueError("sampler is mutually exclusive with shuffle (as in torch): the "
+                             "sampler decides the order; use RandomSampler to shuffle")
+        if batch_sampler is not None:
+            raise ValueError("sampler is mutually exclusive with batch_sampler (as in torch): "
+                             "put the sampler inside the batch sampler")
+        if kind is not Kind.MAP:
+            raise ValueError(
+                f"sampler {type(sampler).__name__} yields indices, which only a map-style "
+                "Dataset can use (torch's DataLoader refuses it too); a reader or an "
+                "IterableDataset orders its own instances")
+    if kind is not Kind.MAP and batch_sampler is not None and not isinstance(
+            batch_sampler, BatchSampler):
+        raise ValueError(
+            f"batch_sampler {type(batch_sampler).__name__} yields indices, which only a "
+            "map-style Dataset can use; for a reader pass an aioloader.BatchSampler "
+            "(such as aioloader.BucketBatchSampler)")
+
+
+def _start_method(start_method: str, context: Any) -> str:
+    """torch's ``multiprocessing_context`` (a start method's name, or a context from
+    ``multiprocessing.get_context``) as our ``start_method``."""
+    if context is None:
+        return start_method
+    if isinstance(context, str):
+        method = context
+    elif callable(getattr(context, "get_start_method", None)):
+        method = context.get_start_method()
+    else:
+        raise ArgumentTypeError("multiprocessing_context must be a start method's name or a "
+                                "context from multiprocessing.get_context(...), got "
+                                f"{_got(context)}")
+    if method not in START_METHODS:
+        raise ValueError(f"multiprocessing_context must be one of {', '.join(START_METHODS)}; "
+                         f"got {context!r}")
+    if start_method != "fork" and start_method != method:
+        raise ValueError(f"start_method={start_method!r} conflicts with "
+                         f"multiprocessing_context={context!r}: give one of them")
+    return str(method)
+
+
+def _prefetch_of(prefetch: int | None, prefetch_factor: int | None, num_workers: int) -> int:
+    """Slots per worker: ``prefetch``, or torch's ``prefetch_factor`` (batches loaded in
+    advance per worker, which is what a slot holds)."""
+    if prefetch_factor is None:
+        return DEFAULT_PREFETCH if prefetch is None else prefetch
+    if num_workers == 0:
+        raise ValueError("prefetch_factor can only be given with num_workers > 0 (as with "
+                         "torch's DataLoader): without workers nothing is loaded ahead")
+    if prefetch is not None and prefetch != prefetch_factor:
+        raise ValueError(f"prefetch={prefetch} and prefetch_factor={prefetch_factor} are the "
+                         "same option (batches in flight per worker): give one of them")
+    return prefetch_factor
+
+
+def _process_only(worker_type: str, **options: int | None) -> None:
+    if worker_type == "thread":
+        given = [f"{name}={value!r}" for name, value in options.items() if value]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} cannot be used with worker_type='thread': threads share "
+                "this process's memory (no resident size of their own to watch) and cannot "
+                "be killed, so they are never restarted or recycled. Use "
+                "worker_type='process' for that")
