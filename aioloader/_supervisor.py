@@ -46,7 +46,7 @@ from ._loads import SkipLog, SkippedLoad
 from ._position import ShardPosition
 from ._stats import ArenaStats, WorkerStats
 from ._threads import ThreadWorker
-from ._worker import WorkerSpec, worker_main
+from ._worker import WorkerSpec, forking, worker_main
 
 if TYPE_CHECKING:
     from ._standby import Standby, StandbyPool
@@ -142,12 +142,14 @@ class WorkerState:
     sock: socket.socket
     ledger: Ledger
     frames: wire.FrameReader = field(default_factory=wire.FrameReader)
-    inbox: collections.deque[wire.Batch | wire.PassEnd | wire.Retiring] = field(
+    # What it sent, in its order; its exception takes the place of the batch it failed on.
+    inbox: collections.deque[wire.Batch | wire.PassEnd | wire.Retiring | WorkerError] = field(
         default_factory=collections.deque)
     fds: collections.deque[int] = field(default_factory=collections.deque)
     outbox: bytearray = field(default_factory=bytearray)
     starting: concurrent.futures.Future[None] | None = None
     lost: WorkerDied | None = None  # died, and may be restarted
+    failed: bool = False  # it raised (Failed): its exit that follows is no death
     successor: WorkerState | None = None  # started when this one said it is retiring
     handed_over: bool = False  # new work goes to the successor
     deferred: wire.Retiring | None = None  # retiring, its successor not started yet
@@ -420,7 +422,10 @@ class Supervisor:
             finally:
                 os.close(fd)
         elif isinstance(msg, wire.Failed):
-            self._fail(_worker_error(w, msg))
+            # Raised when the consumer asks this worker for its next item, after the batches
+            # it sent before and those of the workers due first, as torch does (issue 19).
+            w.failed = True
+            w.inbox.append(_worker_error(w, msg))
         elif isinstance(msg, wire.Retiring):
             self._recycle(w, msg)
         elif isinstance(msg, wire.Skipped):
@@ -458,7 +463,8 @@ class Supervisor:
             self._loop.remove_reader(w.process.sentinel)
             w.exited = True
             self._drain(w)  # a Failed message sent just before exiting comes first
-            if self.failure is None and not self.closed and self._reaping.acquire(False):
+            if (self.failure is None and not w.failed and not self.closed
+                    and self._reaping.acquire(False)):
                 try:  # one thread at a time waits for a child's status: not while reaping
                     w.process.join(GRACE)
                 finally:
@@ -478,6 +484,8 @@ class Supervisor:
         """The next batch or pass end of worker ``worker_id``.
 
         Raises the session's first failure, or :class:`LoaderClosedError` once closed.
+        A worker's own exception waits in its inbox: it is raised (and becomes the
+        session's failure) when it is that worker's turn, so earlier batches come first.
         """
         w = self.workers[worker_id]
         while True:
@@ -487,6 +495,9 @@ class Supervisor:
                 raise LoaderClosedError("the loader was closed")
             if w.inbox:
                 msg = w.inbox.popleft()
+                if isinstance(msg, WorkerError):
+                    self._fail(msg)
+                    raise msg
                 if isinstance(msg, wire.Retiring):
                     w.handed_over = True
                     continue
@@ -718,7 +729,8 @@ def _start_process(w: WorkerState, child: socket.socket) -> None:
         w.started = True
         return
     try:
-        w.process.start()
+        with forking():  # fork: the worker never finalizes what it inherits (issue 19)
+            w.process.start()
         w.started = True
         # multiprocessing polls every child it knows of whenever any process starts
         # (process._cleanup): another loader's start would then race our reaping for the

@@ -18,15 +18,17 @@ import array
 import asyncio
 import collections
 import contextlib
+import gc
 import os
 import pickle
 import random
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -95,6 +97,57 @@ class WorkerSpec:
 
     def seed_for(self, pass_no: int) -> int:
         return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
+
+
+class _Forking(threading.local):
+    ours = False  # this thread is forking a worker (inside forking())
+    gc_enabled = False  # the cyclic GC's state before that fork
+
+
+_FORKING = _Forking()
+
+
+@contextlib.contextmanager
+def forking() -> Iterator[None]:
+    """Around ``Process.start()`` of a worker in this thread: a forked child never
+    collects, so never finalizes, what it inherited (garbage included).
+
+    A fork copies the parent's garbage too: a torch DataLoader iterator left in a reference
+    cycle, collected by a worker's GC, ran its ``__del__`` there and filled stderr with
+    "AssertionError: can only test a child process" (issue 19). The GC is off across the
+    fork (so it cannot run in the child before the hook below) and the child freezes
+    everything it inherited first thing; the parent collects its garbage itself. Exits
+    skip the rest: ``os._exit`` after multiprocessing's ``_bootstrap``, whose finalizer
+    registry was cleared at the fork, so no atexit handler or inherited finalizer runs.
+    """
+    _FORKING.ours = True
+    try:
+        yield
+    finally:
+        _FORKING.ours = False
+
+
+def _gc_off_before_fork() -> None:
+    if _FORKING.ours:
+        _FORKING.gc_enabled = gc.isenabled()
+        gc.disable()
+
+
+def _gc_back_in_parent() -> None:
+    if _FORKING.ours and _FORKING.gc_enabled:
+        gc.enable()
+
+
+def _freeze_inherited_in_child() -> None:
+    if _FORKING.ours:  # the forking thread is the child's only one: its local came along
+        _FORKING.ours = False
+        gc.freeze()  # the inherited objects: never collected here, still shared pages
+        if _FORKING.gc_enabled:
+            gc.enable()  # for what the worker itself makes
+
+
+os.register_at_fork(before=_gc_off_before_fork, after_in_parent=_gc_back_in_parent,
+                    after_in_child=_freeze_inherited_in_child)
 
 
 def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
