@@ -235,13 +235,18 @@ class LoadStage:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.cancel()
         try:
-            await self._stack.aclose()
+            await self.cancel()
         finally:
-            pool, self._pool = self._pool, None
-            if pool is not None:  # a call still running in a thread ends on its own
-                pool.shutdown(wait=False, cancel_futures=True)
+            # Closed even when that wait is cancelled (the worker's EOF cancels its task):
+            # left open, a reader's loading() was finalized by the loop's shutdown instead,
+            # beside its inner generators ("athrow(): ... already running", issue 19).
+            try:
+                await self._stack.aclose()
+            finally:
+                pool, self._pool = self._pool, None
+                if pool is not None:  # a call still running in a thread ends on its own
+                    pool.shutdown(wait=False, cancel_futures=True)
 
     def _wrap(self, fn: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(

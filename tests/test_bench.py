@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import aioloader
 from aioloader.__main__ import main as cli_main
 from aioloader.bench._measure import percentile
 from aioloader.bench._peers import NODES, SPDL_PROCESS, SPDL_THREAD, STATEFUL
-from aioloader.bench._report import THROUGHPUT_METRICS
+from aioloader.bench._report import QUICK_NOTE, THROUGHPUT_METRICS, Target, target_lines
 from aioloader.bench._workloads import TextDataset, torch_pad_collate
 from aioloader.testing import members
 
@@ -69,7 +70,32 @@ def test_quick_tiny_prints_machine_table_and_targets(
         float(tail[0])  # a figure for aioloader, and one for torch unless it has none
         if label != "data stall %":
             float(tail[1])
-    assert any(line.startswith(("PASS", "MISS")) for line in lines)
+    assert any(line.startswith("n/a") and "tiny batches/s >= 3x torch" in line
+               for line in lines)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and reads /proc")
+def test_quick_lists_the_targets_without_verdicts(
+        quick_tiny: tuple[str, dict[str, object]]) -> None:
+    """--quick measures nothing, so it judges no target: n/a, and why, said once."""
+    out, doc = quick_tiny
+    lines = out.splitlines()
+    assert not [line for line in lines if line.startswith(("PASS", "MISS"))], out
+    assert out.count(QUICK_NOTE) == 1
+    start = lines.index(f"targets (issues 5 and 13; {QUICK_NOTE}):") + 1
+    listed = list(itertools.takewhile(bool, lines[start:]))
+    assert listed and all(line.startswith("n/a  ") for line in listed), out
+    judged = doc["targets"]
+    assert isinstance(judged, list) and judged and all(t["passed"] is None for t in judged)
+
+
+def test_target_lines_judge_unless_told_not_to() -> None:
+    found = [Target("tiny batches/s >= 3x torch", "3.10x", True),
+             Target("cpu batches/s >= 1x torch", "0.50x", False)]
+    assert [line.split()[0] for line in target_lines(found).splitlines()] == ["PASS", "MISS"]
+    quick = target_lines(found, judged=False).splitlines()
+    assert [line.split()[0] for line in quick] == ["n/a", "n/a"]
+    assert [line.index(t.name) for line, t in zip(quick, found, strict=True)] == [6, 6]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks and reads /proc")

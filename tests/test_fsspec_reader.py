@@ -1,15 +1,19 @@
 """FsspecReader on its own: listing (S3, HTTP, files), concurrent loads, faults, fast failures.
 
 The servers (aioloader.testing.object_server and s3_server) run in child processes, one of
-each for the module; the loader's integration with the load stage is tested elsewhere.
+each for the module; the loader's integration with the load stage is tested elsewhere (here,
+only that workers close the reader's filesystem cleanly).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +37,7 @@ FAULTS = {
 EXPLICIT = {name: name.encode() * 1000 for name in FAULTS}
 S3_KEYS = {f"train/{i:03d}.bin": bytes([i]) * (100 + i) for i in range(30)}
 S3_KEYS["val/a.txt"] = b"val"
+CLOSE_CHILD = Path(__file__).parent / "fsspec_close_child.py"
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +222,27 @@ async def test_loading_closes_its_connections(where: str, objects: ObjectServer,
             assert tcp_connections() > before
     await asyncio.sleep(0)  # the transports close on the loop's next turn
     assert (tcp_connections(), psutil.Process().num_fds()) == (before, fds)
+
+
+@pytest.mark.deadline(150)
+def test_workers_close_their_http_filesystem_cleanly(tmp_path: Path) -> None:
+    """Over HTTP, 2 workers, concurrency 32, closed with loads in flight: 20 times, and no
+    worker writes to stderr (issue 19: a worker whose close was cut short by the parent's EOF
+    left its loading() context to the loop's shutdown_asyncgens, which finalised it and the
+    filesystem generator inside it at once: "athrow(): asynchronous generator is already
+    running", the session closed out of order)."""
+    with object_server(count=2000, size=2_000) as server, \
+            (tmp_path / "stderr").open("w+") as stderr:
+        urls = [server.object_url(name) for name in server.names]
+        done = subprocess.run([sys.executable, str(CLOSE_CHILD), "20"], input=json.dumps(urls),
+                              stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=120,
+                              check=False)
+        stderr.seek(0)
+        written = stderr.read()
+    runs = [tuple(map(int, line.split())) for line in done.stdout.splitlines()]
+    dirty = [run for run, nbytes in runs if nbytes]
+    assert written == "", f"runs {dirty} of 20 wrote to stderr:\n{written[-4000:]}"
+    assert done.returncode == 0 and [run for run, _ in runs] == list(range(1, 21)), done
 
 
 def test_reader_pickles_without_state(s3: S3Server) -> None:

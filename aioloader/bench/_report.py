@@ -222,10 +222,22 @@ def targets(rows: Sequence[Row], machine: Result, start_method: str) -> list[Tar
     return out
 
 
-def target_lines(found: Sequence[Target]) -> str:
+def target_lines(found: Sequence[Target], *, judged: bool = True) -> str:
+    """A line a target: PASS or MISS, what was asked, what was measured. ``judged=False``
+    (``--quick``, whose tiny runs measure nothing): ``n/a`` in place of the verdict."""
     width = max((len(t.name) for t in found), default=0)
-    return "\n".join(f"{'PASS' if t.passed else 'MISS'}  {t.name:<{width}}  {t.measured}"
+    return "\n".join(f"{verdict(t.passed, judged):<4}  {t.name:<{width}}  {t.measured}"
                      for t in found)
+
+
+def verdict(passed: bool, judged: bool, words: tuple[str, str] = ("PASS", "MISS")) -> str:
+    """``words[0]`` or ``words[1]`` for a target met or missed; ``n/a`` when not judged."""
+    if not judged:
+        return "n/a"
+    return words[0] if passed else words[1]
+
+
+QUICK_NOTE = "not judged: --quick checks the plumbing, not the targets"
 
 
 def machine_lines(machine: Result, header: str) -> str:

@@ -49,7 +49,7 @@ class FsspecReader(Reader):
             takes them (s3fs: ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...).
         decode: ``decode(url, data) -> instance``; picklable for ``start_method="spawn"``.
 
-    Example:
+    Examples:
         >>> import aioloader
         >>> from aioloader.readers import FsspecReader
         >>> reader = FsspecReader("s3://bucket/train/*.jpg",
@@ -95,7 +95,7 @@ class FsspecReader(Reader):
         specs = self.urls if self.urls is not None else _url_list(data_path)
         protocol = _protocol_of(specs)
         found: set[str] = set()
-        async with _filesystem(protocol, self.storage_options) as fs:
+        async with _Filesystem(protocol, self.storage_options) as fs:
             for spec in specs:
                 if len(specs) > 1 and _GLOB_CHARS.isdisjoint(spec):
                     # A list of objects names its keys: no request per object to list it
@@ -134,10 +134,10 @@ class FsspecReader(Reader):
                     async with lock:
                         if not opened:
                             # In a task of its own, shielded: a load cancelled meanwhile must
-                            # not leave the filesystem's context half entered (its close
-                            # would then find the generator still running).
+                            # not leave the filesystem's context half entered (a session
+                            # opened, its close not yet on the stack).
                             opening.append(asyncio.ensure_future(stack.enter_async_context(
-                                _filesystem(protocol, self.storage_options))))
+                                _Filesystem(protocol, self.storage_options))))
                             opened[protocol] = await asyncio.shield(opening[0])
                         elif protocol not in opened:
                             raise ValueError(f"cannot load {url}: this loading() loads "
@@ -198,27 +198,46 @@ def _protocol_of(urls: list[str]) -> str:
     return next(iter(classes.values()))
 
 
-@contextlib.asynccontextmanager
-async def _filesystem(protocol: str, storage_options: Mapping[str, Any]) -> AsyncIterator[Any]:
-    """An asynchronous fsspec filesystem in this event loop, its connections closed at exit."""
-    import fsspec
+class _Filesystem(contextlib.AbstractAsyncContextManager[Any]):
+    """An asynchronous fsspec filesystem in this event loop, its connections closed at exit.
 
-    cls = fsspec.get_filesystem_class(protocol)
-    options = _with_defaults(protocol, dict(storage_options))
-    if not getattr(cls, "async_impl", False):  # file://, ...: its calls go to threads
-        from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+    A class, not an ``@asynccontextmanager``: an async generator is also the event loop's to
+    finalise. When a worker's close was cut short and left ``loading()`` open, the loop's
+    ``shutdown_asyncgens`` closed that generator and this one at once, and the outer one's
+    exit then threw into this one while it ran: "athrow(): asynchronous generator is already
+    running" (issue 19). Now only its holder closes it, once, after the loads.
+    """
 
-        sync_fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-        yield AsyncFileSystemWrapper(sync_fs, asynchronous=True)
-        return
-    fs = fsspec.filesystem(protocol, asynchronous=True, skip_instance_cache=True, **options)
-    try:
-        await fs.set_session()
+    def __init__(self, protocol: str, storage_options: Mapping[str, Any]) -> None:
+        self.protocol = protocol
+        self.options = _with_defaults(protocol, dict(storage_options))
+        self._open: Any = None  # the filesystem whose session to close
+
+    async def __aenter__(self) -> Any:
+        import fsspec
+
+        protocol, options = self.protocol, self.options
+        if not getattr(fsspec.get_filesystem_class(protocol), "async_impl", False):
+            # file://, ...: its calls go to threads, nothing to close
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            sync_fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+            return AsyncFileSystemWrapper(sync_fs, asynchronous=True)
+        fs = self._open = fsspec.filesystem(protocol, asynchronous=True,
+                                            skip_instance_cache=True, **options)
+        try:
+            await fs.set_session()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
         if hasattr(fs, "_s3creator"):
             fs.retries = 1  # s3fs's own loop: up to 5 attempts with sleeps in between
-        yield fs
-    finally:
-        await _close(fs)
+        return fs
+
+    async def __aexit__(self, *exc: object) -> None:
+        fs, self._open = self._open, None
+        if fs is not None:
+            await _close(fs)
 
 
 def _with_defaults(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
