@@ -112,9 +112,15 @@ def consume(loader: Any, face: str) -> tuple[list[Any], BaseException]:
     """The batches before the iteration raised, and what it raised."""
     got: list[Any] = []
     if face == "sync":
-        with pytest.raises(Exception) as info:  # the caller checks which
-            for batch in loader:
-                got.append(batch)
+        batches = iter(loader)
+        try:
+            with pytest.raises(Exception) as info:  # the caller checks which
+                for batch in batches:
+                    got.append(batch)
+        finally:
+            # torch's iterator stops its workers only when collected, and the traceback
+            # keeps it alive: stop them now, not at the leak check's deadline.
+            getattr(batches, "_shutdown_workers", lambda: None)()
         return got, info.value
 
     async def run() -> None:
@@ -192,6 +198,7 @@ def test_stream_error_waits_its_turn(face: str) -> None:
 LEFTOVERS = textwrap.dedent("""
     import gc
     import sys
+    import weakref
 
     import torch
     import torch.utils.data
@@ -207,10 +214,13 @@ LEFTOVERS = textwrap.dedent("""
                 gc.collect()  # our worker's GC runs: it must find nothing inherited to end
             return torch.tensor([i])
 
+    made = []  # weak: the iterators stay garbage, yet can be stopped in order at the end
+
     def torch_iter(**kwargs):
         it = iter(torch.utils.data.DataLoader(Items(), batch_size=4, num_workers=2,
                                               multiprocessing_context="fork", **kwargs))
         next(it)
+        made.append(weakref.ref(it))
         return it
 
     # Leftovers, all made before any is dropped (torch's own workers would otherwise
@@ -232,7 +242,13 @@ LEFTOVERS = textwrap.dedent("""
         for _ in range(2):
             assert sorted(int(i) for b in loader for i in b) == list(range(32))
     del kept
-    gc.collect()  # the leftovers end here, in the process that owns them
+    # The leftovers end here, in the process that owns them: newest first, since each torch
+    # worker holds its elders' queues (in any other order torch waits 5 s per worker).
+    for ref in reversed(made):
+        if (it := ref()) is not None:
+            it._shutdown_workers()
+    del it
+    gc.collect()
     print("epochs done", flush=True)
 """)
 
