@@ -87,7 +87,8 @@ def test_batch_trees_survive_the_arena(tree):
         leased = decode(message.tree, Lease(receiver, 1, lambda: returned.append(1)).view)
         assert _same(leased, tree)
         del leased
-        gc.collect()
+        if not returned:  # views in a reference cycle wait for the collector (~0.1 s a run)
+            gc.collect()
         assert returned == [1], "a leased slot comes back once its views are gone"
     finally:
         arena.close()
