@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ._device import move_to, pin
 from ._distributed import all_reduce
 from ._errors import LoaderBusyError
-from ._session import PassDone, Session
+from ._session import PassDone, Session, _running_loop
 from ._sources import Kind
 from ._staging import Stager
 from ._supervisor import GRACE
@@ -262,13 +262,19 @@ _CLOSING: set[asyncio.Task[None]] = set()  # closes of dropped epochs, until the
 
 
 def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> None:
-    """An epoch was dropped half-way: stop its workers on its loop, if that loop runs.
+    """An epoch was dropped half-way: stop its workers on its loop, if that loop runs, or
+    here and now if that loop is closed.
 
     Otherwise (the sync adapter's loop between two calls) the next epoch, a close or the
     loader's backstop does it.
     """
     loop = session.loop
-    if os.getpid() != session.owner_pid or loop is None or not loop.is_running():
+    if os.getpid() != session.owner_pid or loop is None:
+        return
+    if loop.is_closed():  # dropped after its loop ended (held by a traceback, say)
+        _close_now(session)
+        return
+    if not loop.is_running():
         return
 
     def spawn() -> None:
@@ -279,8 +285,23 @@ def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> Non
         task = loop.create_task(closing)
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
+        # asyncio.run cancels the tasks left when its main coroutine ends: this one before
+        # its first step where the epoch was dropped there (a `break` or an exception in
+        # its `async for`), and its workers would outlive the loop (issue 19).
+        task.add_done_callback(lambda t: _close_now(session) if t.cancelled() else None)
 
-    loop.call_soon_threadsafe(spawn)
+    if _running_loop() is loop:
+        spawn()  # on the loop, now: not a step later, when the loop may be stopping
+    else:
+        loop.call_soon_threadsafe(spawn)
+
+
+def _close_now(session: Session) -> None:
+    """Close ``session`` in this thread, without grace, unless a close already began (its
+    reaping runs in a thread of its own and ends by itself). Its loader is left alone (we
+    may be in the garbage collector, inside its lock): it drops a closed session itself."""
+    if not session.closed:
+        session.close(0.0)
 
 
 def _show_stall(bar: Any, loader: DataLoader) -> None:

@@ -150,6 +150,10 @@ class Standby:
         _PARENT_SOCKS.discard(self.sock)
         self.sock.close()
 
+    def started_process(self) -> BaseProcess | None:
+        """The process once its start is done; None if that start failed."""
+        return self.process if self.started.exception() is None else None
+
 
 class StandbyPool:
     """A loader's standby processes, until its first session takes them or it goes."""
@@ -217,8 +221,8 @@ class StandbyPool:
         SIGKILL, as the supervisor reaps its workers."""
         for standby in standbys:
             standby.dismiss()
-        concurrent.futures.wait([s.started for s in standbys])
-        stop(standbys, grace)
+        # A standby still starting joins the schedule once it exists (stop_processes).
+        stop_processes([], grace, {s.started: s.started_process for s in standbys})
 
 
 def stop(standbys: list[Standby], grace: float) -> None:

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import multiprocessing.process
 import os
@@ -26,9 +27,10 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch.multiprocessing
 
@@ -597,7 +599,11 @@ class Supervisor:
         """
         if not self._begin_close():
             return
-        reaped = asyncio.get_running_loop().run_in_executor(None, self._reap, grace)
+        try:
+            reaped = asyncio.get_running_loop().run_in_executor(None, self._reap, grace)
+        except RuntimeError:  # its executor is shut down (asyncio.run is ending): here, now
+            self._reap(0.0)
+            return
         try:
             # Shielded: a cancellation (the loop shutting down, say) must not stop the
             # reaping half-way; the executor's thread finishes it whatever happens here.
@@ -630,18 +636,21 @@ class Supervisor:
 
     def _reap_locked(self, grace: float, retired_only: bool = False) -> None:
         everyone = list(self._retired)
+        starts: Starts = {}
         if not retired_only:
             if self.standby is not None:  # a start that failed before it used them all
                 unused, self._standbys = self._standbys, []
-                self.standby.release(unused, grace)
+                for standby in unused:
+                    standby.dismiss()
+                    starts[standby.started] = standby.started_process
             everyone += [w for w in self.workers]
             everyone += [w.successor for w in self.workers if w.successor is not None]
-        pending = [w.starting for w in everyone if w.starting is not None]
-        concurrent.futures.wait(pending)  # a start in flight finishes, then is reaped
-        started = [w for w in everyone if w.started and not w.reaped]
-        stop_processes([w.process for w in started], grace)
-        for w in started:
-            w.reaped = True
+        for w in everyone:  # a start in flight joins the schedule once its process exists
+            if w.starting is not None and not w.reaped:
+                starts[w.starting] = functools.partial(_started_process, w)
+        stop_processes([], grace, starts)
+        for w in everyone:
+            w.reaped = w.reaped or w.started
         self._retired = [w for w in self._retired if not w.reaped]
         if retired_only:
             return
@@ -649,26 +658,61 @@ class Supervisor:
             w.ledger.close()
 
 
-def stop_processes(processes: list[BaseProcess] | list[BaseProcess | ThreadWorker],
-                   grace: float) -> None:
-    """Give started ``processes`` ``grace`` seconds to exit (they were told: EOF), then
-    terminate, then kill the ones left (a thread: cancel it, then stop waiting); join and
-    close each."""
+Stoppable: TypeAlias = BaseProcess | ThreadWorker
+# Starts in flight: each future, and what gives its process once it is done (None: none).
+Starts: TypeAlias = dict[concurrent.futures.Future[Any], Callable[[], Stoppable | None]]
+
+
+def stop_processes(processes: list[BaseProcess] | list[Stoppable], grace: float,
+                   starts: Starts | None = None) -> None:
+    """Stop ``processes`` (started, and told to go: EOF) on one schedule, measured from
+    now: ``grace`` seconds to exit, then terminate, GRACE seconds later kill (a thread:
+    cancel it, then stop waiting); join and close each.
+
+    ``starts``: starts in flight, each future mapped to what gives its process once it is
+    done (None: nothing started). A process that starts meanwhile joins the schedule where
+    it then is (past the deadline to terminate: terminated at once), and every wait runs to
+    the same deadline, so nothing adds up per worker or per start (issue 19: a stop must be
+    prompt under load). Only a start that outlasts the whole schedule is waited for, and
+    its process killed the moment it exists.
+    """
+    started: list[Stoppable] = list(processes)
+    waiting: Starts = dict(starts or {})
+    taken: list[str] = []  # the escalations so far, for a process that starts late
     deadline = time.monotonic() + grace
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for escalate in ("terminate", "kill"):
-        alive = [p for p in processes if p.exitcode is None]
-        if not alive:
-            break
-        for p in alive:
-            getattr(p, escalate)()
-        deadline = time.monotonic() + GRACE
-        for p in alive:
+    for escalate in (None, "terminate", "kill"):
+        if escalate is not None:
+            taken.append(escalate)
+            for p in started:
+                if p.exitcode is None:
+                    getattr(p, escalate)()
+            deadline = time.monotonic() + GRACE
+        _take_started(waiting, started, taken, deadline)
+        for p in started:
             p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
+        if not waiting and all(p.exitcode is not None for p in started):
+            break
+    _take_started(waiting, started, ["kill"], None)
+    for p in started:
         p.join()
         p.close()
+
+
+def _take_started(waiting: Starts, started: list[Stoppable], taken: list[str],
+                  deadline: float | None) -> None:
+    """Wait for the starts in ``waiting`` until ``deadline`` (None: for all of them); each
+    process started meanwhile gets the escalations ``taken`` so far, and joins ``started``."""
+    if not waiting:
+        return
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    done, _ = concurrent.futures.wait(list(waiting), timeout)
+    for fut in done:
+        p = waiting.pop(fut)()
+        if p is None:
+            continue
+        if taken:  # the latest is enough: a kill needs no terminate first
+            getattr(p, taken[-1])()
+        started.append(p)
 
 
 def check_picklable(parts: dict[str, Any], start_method: str) -> None:
@@ -722,8 +766,18 @@ def _preload(source: Any) -> list[str]:
     return modules
 
 
+def _started_process(w: WorkerState) -> Stoppable | None:
+    """``w``'s process once its start is done; None if that start failed before it."""
+    return w.process if w.started else None
+
+
 def _start_process(w: WorkerState, child: socket.socket) -> None:
     """In the starter thread: start ``w``'s process, then drop the child's end."""
+    if w.sock.fileno() < 0:
+        # Stopped (or retired) while this start waited for its turn: never started, so a
+        # stop waits for no start queued behind one in flight (issue 19).
+        child.close()
+        return
     if isinstance(w.process, ThreadWorker):
         w.process.start()  # the thread owns the child's end and closes it
         w.started = True
@@ -746,6 +800,11 @@ def _hand_off(w: WorkerState, spec: WorkerSpec, child: socket.socket, standby: S
     """In the starter thread: ``standby`` becomes ``w``, given ``spec`` (pickled now, so it
     carries the dataset as it is when the epoch starts) and ``child``; where the standby is
     gone, the process ``fresh`` is started instead."""
+    if w.sock.fileno() < 0:  # stopped before its turn (see _start_process): it goes unused
+        standby.dismiss()
+        w.started = standby.started_process() is not None  # reaped with the others
+        child.close()
+        return
     try:
         taken = standby.hand_off(spec, child)
     except BaseException:

@@ -4,7 +4,8 @@ A worker reads (stream plan) or fetches (index plan) instances, batches and coll
 straight into a free slot of its arena, and sends a small header over its socket. It runs its
 own event loop (uvloop when present) so that readers may be async generators. It stops when
 its socket reaches EOF (the parent closed it, or died), and on Linux the kernel kills it if
-the parent dies first (PR_SET_PDEATHSIG).
+the parent dies first (PR_SET_PDEATHSIG); a thread of its own ends it ORPHAN_GRACE seconds
+after that EOF whatever its loop is stuck in (a forkserver's child outlives the consumer).
 
 A thread worker (``worker_type="thread"``, aioloader/_threads.py) serves the same
 :func:`serve` on a loop in a thread of the main process, its batches going by reference
@@ -22,6 +23,7 @@ import gc
 import os
 import pickle
 import random
+import select
 import signal
 import socket
 import sys
@@ -160,6 +162,7 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     torch.set_num_threads(1)
     route_torch_collate_into_arena()  # not a shared-memory segment per batch
     _detach_from_parent_signals(spec)
+    _leave_when_parent_hangs_up(sock)
     from . import _loops
 
     _loops.run(serve(spec, sock))
@@ -187,6 +190,49 @@ def _detach_from_parent_signals(spec: WorkerSpec) -> None:
             pass
     if spec.parent_pid and os.getppid() != spec.parent_pid and os.getppid() == 1:
         os._exit(0)  # the parent died before we got here
+    _drop_forkserver_alive_fd()
+
+
+def _drop_forkserver_alive_fd() -> None:
+    """A forkserver's child holds the write end of the server's "alive" pipe
+    (multiprocessing passes it to every child it forks), and the server exits only once no
+    process holds it: a worker stuck in user code kept the server alive after the consumer
+    died, and the server, whose death is what fires our PR_SET_PDEATHSIG, kept the worker
+    alive (issue 19). A worker has no use for it: it does not know that server's address,
+    so it could not start processes from it anyway."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    if server.get_inherited_fds() is None or server._forkserver_alive_fd is None:
+        return  # not a forkserver's child
+    with contextlib.suppress(OSError):
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = None
+
+
+ORPHAN_GRACE = 2.0  # seconds a worker may take to go once its parent hung up, whatever it runs
+
+
+def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
+    """End this process ORPHAN_GRACE seconds after the parent's end of ``sock`` closes,
+    from a thread of its own: the event loop sees that EOF only between two pieces of user
+    code, and a worker stuck in a slow ``__getitem__`` (or joining a thread stuck there as
+    it exits) would outlive a parent that died, with nobody left to kill it (issue 19; for
+    forkserver, PR_SET_PDEATHSIG fires on the server's death, not the consumer's). A live
+    parent kills a slow worker itself sooner (GRACE, then SIGTERM: see _supervisor)."""
+    rdhup = getattr(select, "POLLRDHUP", None)
+    if rdhup is None or not hasattr(select, "poll"):
+        return  # not Linux: the parent's escalation is all there is
+    fd = os.dup(sock.fileno())  # the watcher's own: the worker closes ``sock`` as it ends
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, rdhup)  # hang-ups only (and errors): never data
+        poller.poll()
+        threading.Event().wait(ORPHAN_GRACE)  # a deadline, not a poll: we exit at its end
+        os._exit(0)
+
+    threading.Thread(target=watch, name="aioloader-parent-watch", daemon=True).start()
 
 
 class _Channel:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import aioloader
@@ -109,3 +111,62 @@ def finish(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, str, str
         raise AssertionError(f"script did not finish within {timeout}s (hang?):\n"
                              f"{err.decode(errors='replace')[-3000:]}") from None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+@contextlib.contextmanager
+def cpu_hog(n: int) -> Iterator[None]:
+    """``n`` processes that each spin on a core for the block: a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"])
+            for _ in range(n)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+
+
+class StallReports:
+    """A FIFO that ``victims.Stalls`` workers write their pid to as they stall."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, "stalled")
+        os.mkfifo(self.path)
+        self._read = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        # Our own writer: without one, a FIFO nobody writes to reads as EOF at once.
+        self._keep = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        self._buf = b""
+
+    def wait(self, count: int, timeout: float = 60.0) -> list[int]:
+        """The pids of the first ``count`` distinct workers to stall, waiting on the FIFO."""
+        deadline = time.monotonic() + timeout
+        pids: list[int] = []
+        while len(pids) < count:
+            lines = self._buf.split(b"\n")
+            self._buf = lines.pop()
+            pids += [p for p in map(int, filter(None, lines)) if p not in pids]
+            if len(pids) >= count:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"only {pids} of {count} workers stalled in {timeout}s")
+            if select.select([self._read], [], [], left)[0]:
+                self._buf += os.read(self._read, 4096)
+        return pids
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._keep)
+
+
+async def arena_full(loader: aioloader.DataLoader, timeout: float = 60.0) -> list[int]:
+    """The worker pids, once every slot of every worker holds a batch the consumer has not
+    taken, so that each waits for a free one. Checked on the loop's turns: the parent's
+    account of the slots changes there, and there is nothing else to wait on."""
+    deadline = time.monotonic() + timeout
+    while (stats := loader.stats()).arena.free > 0 or not stats.workers:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the arena did not fill in {timeout}s: {stats.arena}")
+        await asyncio.sleep(0.01)
+    return [w.pid for w in stats.workers if w.pid is not None]

@@ -145,3 +145,27 @@ class BigDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"index": i, "x": torch.full((self.mb << 20,), i % 251, dtype=torch.uint8)}
+
+
+class Stalls(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Map-style; from instance ``stall_from`` on, ``__getitem__`` says so (its pid, a line
+    on the FIFO ``report``) and then blocks for an hour, deaf to EOF: user code the worker's
+    loop cannot interrupt (issue 19)."""
+
+    def __init__(self, n: int, stall_from: int, report: str) -> None:
+        self.n = n
+        self.stall_from = stall_from
+        self.report = report
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i >= self.stall_from:
+            fd = os.open(self.report, os.O_WRONLY | os.O_NONBLOCK)
+            try:
+                os.write(fd, f"{os.getpid()}\n".encode())
+            finally:
+                os.close(fd)
+            time.sleep(3600)
+        return {"index": i}
