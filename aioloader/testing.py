@@ -347,6 +347,13 @@ def _shm_owned(pids: set[int]) -> set[str]:
     return owned | {name for name in _shm() if any(mark in name for mark in marks)}
 
 
+def _own_shm(pids: set[int] | None = None) -> set[str]:
+    """The /dev/shm entries that exist now and belong to ``pids`` (default: this process
+    and its descendants): see :func:`_shm_owned`."""
+    pids = {os.getpid(), *descendants()} if pids is None else pids
+    return _shm_owned(pids) & _shm()
+
+
 class LeakError(AssertionError):
     """Processes, fds or /dev/shm entries outlived the checked block."""
 
@@ -370,7 +377,7 @@ class LeakSnapshot:
             for fd in _helper_fds():
                 fds.pop(fd, None)
         _track_registrations()
-        return cls(kids, fds, _shm(), _shm_owned({os.getpid(), *everyone}))
+        return cls(kids, fds, _shm(), _own_shm({os.getpid(), *everyone}))
 
     def new_since(self, baseline: LeakSnapshot) -> list[str]:
         """Human-readable lines for everything here that the baseline lacks."""
@@ -383,7 +390,7 @@ class LeakSnapshot:
         if fds:
             problems.append("fds still open: " + ", ".join(
                 f"{fd} -> {target}" for fd, target in sorted(fds.items())))
-        shm = (self.own_shm & self.shm) - baseline.shm
+        shm = self.own_shm - baseline.shm
         if shm:
             problems.append(f"/dev/shm entries left: {sorted(shm)}")
         return problems

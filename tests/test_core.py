@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import aioloader
+from aioloader.testing import _own_shm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import core_sources as S
@@ -90,7 +91,8 @@ def _fds() -> int:
 
 
 def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """This process tree's own /dev/shm entries (other programs' come and go: issue 19)."""
+    return _own_shm() if os.path.isdir("/dev/shm") else set()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -111,6 +112,33 @@ def finish(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, str, str
         raise AssertionError(f"script did not finish within {timeout}s (hang?):\n"
                              f"{err.decode(errors='replace')[-3000:]}") from None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def kill_9(proc: subprocess.Popen[bytes], tree: list[int], bound: float,
+           ) -> tuple[list[int], float]:
+    """SIGKILL the consumer ``proc``, then wait up to ``bound`` seconds for ``tree`` (its
+    descendants, listed before the kill) to go: the pids left, and how long they took.
+    The caller kills what is left once it has reported it."""
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = survivors(bound, pids=tree)
+    return left, time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def ended(proc: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """``proc``, killed if still running, waited for and its pipes closed when the block
+    ends."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 @contextlib.contextmanager

@@ -25,6 +25,8 @@ from fault_helpers import (
     StallReports,
     arena_full,
     cpu_hog,
+    ended,
+    kill_9,
     read_line,
     start_script,
     survivors,
@@ -138,25 +140,13 @@ def test_stalled_workers_end_promptly_after_a_stop(how: str, stall: str,
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_stalled_workers_of_a_killed_consumer_end_promptly(method: str, stall: str,
                                                            tmp_path: Path) -> None:
-    proc = start_script("stall_target.py", method, stall, tmp_path)
-    try:
+    with ended(start_script("stall_target.py", method, stall, tmp_path)) as proc:
         info = read_line(proc, timeout=90)
         tree = descendants(proc.pid)  # the workers, and the forkserver or tracker if any
         names = describe_pids(tree)
         assert set(info["workers"]) <= set(tree), (info, names)
         with cpu_hog(HOGS):
-            t0 = time.monotonic()
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            left = survivors(STOP_BOUND, pids=tree)
-            gone = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+            left, gone = kill_9(proc, tree, STOP_BOUND)
     print(f"\nLATENCY kill -9 stalled {method} {stall} under {HOGS} hogs: "
           f"{names} gone {gone:.2f}s after the kill")
     for pid in left:
