@@ -148,8 +148,15 @@ async def test_event_loop_lag_stays_small_while_waiting_for_slow_workers():
         await loader.aclose()
     assert sorted(indices(batches)) == list(range(24))
     assert len(lags) > 100
+    # Behaviour, not speed (that is `aioloader bench --lag`): a loop that waited for a worker
+    # would lose one reader sleep (50 ms) at a time, most ticks. On a machine whose cores
+    # other processes fill, the scheduler alone makes a few ticks late, so the bound on the
+    # tail stays under that sleep and the median carries the check (issue 19: p99 < 5 ms
+    # failed under a CPU hog).
+    median = statistics.median(lags)
     p99 = statistics.quantiles(lags, n=100)[98]
-    assert p99 < 0.005, f"p99 lag of a 1 ms ticker: {p99 * 1000:.2f} ms"
+    assert median < 0.005, f"median lag of a 1 ms ticker: {median * 1000:.2f} ms"
+    assert p99 < 0.040, f"p99 lag of a 1 ms ticker: {p99 * 1000:.2f} ms"
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
