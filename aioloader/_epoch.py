@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 from ._device import move_to, pin
 from ._distributed import all_reduce
 from ._errors import LoaderBusyError
-from ._session import PassDone, Session, _running_loop
+from ._loops import running_loop
+from ._session import PassDone, Session
 from ._sources import Kind
 from ._staging import Stager
 from ._supervisor import GRACE
@@ -290,7 +291,7 @@ def _close_dropped(loader_ref: weakref.ref[DataLoader], session: Session) -> Non
         # its `async for`), and its workers would outlive the loop (issue 19).
         task.add_done_callback(lambda t: _close_now(session) if t.cancelled() else None)
 
-    if _running_loop() is loop:
+    if running_loop() is loop:
         spawn()  # on the loop, now: not a step later, when the loop may be stopping
     else:
         loop.call_soon_threadsafe(spawn)

@@ -20,6 +20,7 @@ from ._distributed import all_reduce, topology
 from ._epoch import Epoch, backstop, progress_bar
 from ._errors import LoaderBusyError, ResumeError, ResumeWarning
 from ._loads import Retry, SkipLog, SkippedLoad
+from ._loops import running_loop
 from ._options import check_arguments
 from ._options import validate_worker_nice as validate_worker_nice  # the bench's import
 from ._pipeline import BatchOptions
@@ -34,7 +35,7 @@ from ._standby import StandbyPool
 from ._state import Cursor, ResumePoint, make_state, read_state
 from ._stats import NO_ARENA, LoaderStats, Meter
 from ._supervisor import GRACE, RestartBudget, warm_forkserver
-from ._sync import Portal, SyncLoader, running_loop
+from ._sync import Portal, SyncLoader
 
 
 class _Box:

@@ -1,4 +1,5 @@
-"""Which event loop to run: uvloop when it is installed, else asyncio's default."""
+"""Which event loop to run (uvloop when it is installed, else asyncio's default), and which
+one runs this thread."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to completion on a fresh loop of the preferred kind."""
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(coro)
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The loop running in this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._errors import LoaderClosedError, LoaderTimeoutError
+from ._loops import running_loop
 from ._stats import ArenaStats, WorkerStats
 from ._supervisor import GRACE, Delivered
 
@@ -170,7 +171,7 @@ class Session:
             self.state = State.CLOSING
             consumer, loop = self._consumer, self.loop
         if consumer is not None and loop is not None and not loop.is_closed():
-            if _running_loop() is loop:
+            if running_loop() is loop:
                 self._interrupt("closed")
             else:
                 loop.call_soon_threadsafe(self._interrupt, "closed")
@@ -210,13 +211,6 @@ class Session:
     @property
     def closed(self) -> bool:
         return self.state in (State.CLOSING, State.CLOSED)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 class Activity:

@@ -22,17 +22,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._loops import loop_factory
+from ._loops import loop_factory, running_loop
 from ._staging import consumer_stream, handing_to
 
 T = TypeVar("T")
-
-
-def running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 # Loops a forked child inherited from its parent's portals. They are kept, never closed nor
