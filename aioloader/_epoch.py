@@ -26,10 +26,9 @@ from ._device import move_to, pin
 from ._distributed import all_reduce
 from ._errors import LoaderBusyError
 from ._loops import running_loop
-from ._session import PassDone, Session
+from ._session import GRACE, PassDone, Session
 from ._sources import Kind
 from ._staging import Stager
-from ._supervisor import GRACE
 
 if TYPE_CHECKING:
     from ._loader import DataLoader

@@ -28,13 +28,13 @@ from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, 
 from ._position import StreamPosition, is_stateful
 from ._producers import CachedInstances, Plan
 from ._samplers import BatchSampler
-from ._session import PassDone, Producer, Session
+from ._session import GRACE, PassDone, Producer, Session
 from ._setup import Setup
 from ._sources import Kind
 from ._standby import StandbyPool
 from ._state import Cursor, ResumePoint, make_state, read_state
 from ._stats import NO_ARENA, LoaderStats, Meter
-from ._supervisor import GRACE, RestartBudget, warm_forkserver
+from ._supervisor import RestartBudget, warm_forkserver
 from ._sync import Portal, SyncLoader
 
 

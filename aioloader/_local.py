@@ -24,10 +24,9 @@ from ._position import (
     StreamPosition,
 )
 from ._producers import INSTANCE_CHUNK, Plan, Plans
-from ._session import Activity, PassDone, Step
+from ._session import Activity, Delivered, PassDone, Step
 from ._sources import Kind, fetch, is_async
 from ._stats import NO_ARENA, ArenaStats, WorkerStats
-from ._supervisor import Delivered
 
 T = TypeVar("T")
 

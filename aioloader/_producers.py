@@ -18,10 +18,10 @@ from typing import Any
 from ._errors import ResumeError
 from ._loads import ALL_SKIPPED, SkippedLoad
 from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
-from ._session import PassDone, Step
+from ._session import Delivered, PassDone, Step
 from ._sources import shard_spec
 from ._stats import ArenaStats, WorkerStats
-from ._supervisor import Delivered, Ended, Supervisor, WorkerLost
+from ._supervisor import Ended, Supervisor, WorkerLost
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking: a thread)
 INSTANCE_CHUNK = 64

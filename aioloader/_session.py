@@ -27,7 +27,19 @@ from typing import Any, Protocol
 from ._errors import LoaderClosedError, LoaderTimeoutError
 from ._loops import running_loop
 from ._stats import ArenaStats, WorkerStats
-from ._supervisor import GRACE, Delivered
+
+GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A batch (or a chunk of instances), the consumer's own; ``seq`` and ``mark`` (where a
+    stream's batch lies in its pass) as the worker sent them."""
+
+    value: Any
+    seq: int = -1
+    mark: Any = None
+    nbytes: int = 0  # tensor bytes (telemetry)
 
 
 @dataclass(frozen=True, slots=True)

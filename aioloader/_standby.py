@@ -50,10 +50,10 @@ from typing import Any
 import torch.multiprocessing
 
 from ._errors import SourcePicklingError
+from ._session import GRACE
 from ._supervisor import (
     _PARENT_SOCKS,
     _STARTER,
-    GRACE,
     _preload,
     check_picklable,
     stop_processes,

@@ -46,6 +46,7 @@ from ._errors import (
 )
 from ._loads import SkipLog, SkippedLoad
 from ._position import ShardPosition
+from ._session import GRACE, Delivered
 from ._stats import ArenaStats, WorkerStats
 from ._threads import ThreadWorker
 from ._worker import WorkerSpec, forking, worker_main
@@ -78,7 +79,6 @@ os.register_at_fork(after_in_child=_close_parent_socks_in_child)
 # What a worker's spec carries of the user's: it must pickle for spawn and forkserver.
 SPEC_PARTS = ("source", "collate_fn", "options", "worker_init_fn")
 
-GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
 log = logging.getLogger("aioloader")
 
@@ -112,17 +112,6 @@ class RestartBudget:
         return WorkerDied(died.worker_id or 0, died.pid, died.exitcode,
                           f"max_worker_restarts={self.limit} were spent on earlier deaths: "
                           f"{earlier}", earlier=self.deaths[:-1])
-
-
-@dataclass(frozen=True, slots=True)
-class Delivered:
-    """A batch (or a chunk of instances), the consumer's own; ``seq`` and ``mark`` (where a
-    stream's batch lies in its pass) as the worker sent them."""
-
-    value: Any
-    seq: int = -1
-    mark: Any = None
-    nbytes: int = 0  # tensor bytes (telemetry)
 
 
 @dataclass(frozen=True, slots=True)
