@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ._info import Patch
+
 __all__ = [
     "Allocator",
     "Collate",
@@ -257,8 +259,29 @@ TORCH_COLLATE_TENSOR = torch.utils.data._utils.collate.collate_tensor_fn
 
 def route_torch_collate_into_arena() -> None:
     """In a worker process: torch's ``default_collate`` (passed as ``collate_fn``, or called
-    by a user's collate) stacks tensors with :func:`stack_into_arena`."""
+    by a user's collate) stacks tensors with :func:`stack_into_arena`, for good (that process
+    is ours; in this one, :data:`TORCH_COLLATE_IN_THREADS` is scoped)."""
     torch.utils.data._utils.collate.default_collate_fn_map[torch.Tensor] = stack_into_arena
+
+
+def _torch_collate_without_segments() -> Callable[[], None]:
+    collate_map = torch.utils.data._utils.collate.default_collate_fn_map
+    if collate_map.get(torch.Tensor) is not TORCH_COLLATE_TENSOR:
+        return lambda: None  # someone else's collate: theirs to keep
+    collate_map[torch.Tensor] = stack_into_arena
+
+    def undo() -> None:
+        if collate_map.get(torch.Tensor) is stack_into_arena:
+            collate_map[torch.Tensor] = TORCH_COLLATE_TENSOR
+
+    return undo
+
+
+# While thread workers exist: torch's default_collate does not put a thread worker's
+# batches in shared memory (it does so whenever get_worker_info() is set, for a worker
+# *process*: pointless in-process). With no arena slot to fill (none in a thread, nor
+# outside workers) stack_into_arena is a plain stack.
+TORCH_COLLATE_IN_THREADS = Patch(_torch_collate_without_segments)
 
 
 def _same_dtype(tensors: Sequence[Any]) -> bool:

@@ -35,7 +35,7 @@ def move_to(obj: Any, device: torch.device) -> Any:
             return t
         return t.to(device, non_blocking=device.type == "cuda" and t.is_pinned())
 
-    return _map_tensors(obj, move)
+    return map_tensors(obj, move)
 
 
 def pin(obj: Any) -> Any:
@@ -46,7 +46,7 @@ def pin(obj: Any) -> Any:
     the consumer owns its batch for as long as it likes, while a ring buffer is refilled two
     batches later. With a CUDA target nothing is pinned here: the ring already is.
     """
-    return _map_tensors(obj, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+    return map_tensors(obj, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 
 def can_pin() -> bool:
@@ -57,8 +57,8 @@ def can_pin() -> bool:
     return torch.cuda.is_available()
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in it, in :func:`_tensors`' order."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, in :func:`tensors`' order."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -66,31 +66,31 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         # frozen or slotted dataclasses work too (the codec rebuilds them the same way).
         new = copy.copy(obj)
         for field in dataclasses.fields(obj):
-            object.__setattr__(new, field.name, _map_tensors(getattr(obj, field.name), fn))
+            object.__setattr__(new, field.name, map_tensors(getattr(obj, field.name), fn))
         return new
     if isinstance(obj, Mapping):
-        items = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        items = {k: map_tensors(v, fn) for k, v in obj.items()}
         try:
             return type(obj)(items)  # type: ignore[call-arg]
         except TypeError:
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj``, in the order :func:`_map_tensors` visits them."""
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``, in the order :func:`map_tensors` visits them."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, field.name))
+            yield from tensors(getattr(obj, field.name))
     elif isinstance(obj, Mapping):
         for v in obj.values():
-            yield from _tensors(v)
+            yield from tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v)
+            yield from tensors(v)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
-import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ def set_worker_info(info: WorkerInfo | None, dataset: Any = None, *,
     which is what torch's own workers set. Setting it lets IterableDatasets that shard
     themselves the torch way (HuggingFace, WebDataset) work unchanged. A thread worker
     (``thread=True``) must not touch that global, which the whole process shares: its info
-    lives in its own context, and :func:`hook_torch` makes torch read it there.
+    lives in its own context, and :data:`TORCH_INFO_PER_THREAD` makes torch read it there.
     """
     global _current
     from torch.utils.data._utils import worker as torch_worker
@@ -63,36 +64,72 @@ def set_worker_info(info: WorkerInfo | None, dataset: Any = None, *,
     torch_worker._worker_info = theirs
 
 
+class Patch:
+    """A change to torch in this process, made only while some scope needs it.
+
+    ``apply()`` makes the change and returns what undoes it. The first :meth:`scope` to
+    begin applies it, the last to end undoes it (counted, thread-safe), so torch is exactly
+    itself again once no scope is left: a thread worker's lifetime is such a scope (see
+    ``_threads.torch_for_threads``). A worker process changes its own torch for good:
+    that process is ours.
+    """
+
+    def __init__(self, apply: Callable[[], Callable[[], None]]) -> None:
+        self._apply = apply
+        self._lock = threading.Lock()
+        self._users = 0
+        self._undo: Callable[[], None] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._undo is not None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._undo = self._apply()
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                undo = self._undo if self._users == 0 else None
+                if undo is not None:
+                    self._undo = None
+                    undo()
+
+
 # torch.utils.data.get_worker_info() is ``return _worker_info``: a module global, shared by
 # every thread. Users import the function itself (``from torch.utils.data import
 # get_worker_info``), so replacing the module attribute would miss them; swapping the
 # function's code reaches every reference. The code runs with torch's module as its
-# globals, where hook_torch puts our context variable.
-_HOOK_SOURCE = """
+# globals, where the patch puts our context variable.
+_PER_THREAD_SOURCE = """
 def get_worker_info():
     pair = _aioloader_thread_info.get()
     return _worker_info if pair is None else pair[1]
 """
-_hook_lock = threading.Lock()
-_hook_users = 0
-_torch_code: types.CodeType | None = None
 
 
-def hook_torch(install: bool) -> None:
-    """Make ``torch.utils.data.get_worker_info()`` answer per thread (``install``), or undo
-    it once the last thread worker is gone (``install=False``); counted, thread-safe."""
-    global _hook_users, _torch_code
+def _torch_info_per_thread() -> Callable[[], None]:
     from torch.utils.data._utils import worker as torch_worker
 
     target = torch_worker.get_worker_info
-    with _hook_lock:
-        _hook_users += 1 if install else -1
-        if install and _hook_users == 1:
-            namespace: dict[str, Any] = {}
-            exec(compile(_HOOK_SOURCE, "<aioloader thread worker info>", "exec"), namespace)
-            torch_worker.__dict__["_aioloader_thread_info"] = _in_thread
-            _torch_code = target.__code__
-            target.__code__ = namespace["get_worker_info"].__code__
-        elif not install and _hook_users == 0 and _torch_code is not None:
-            target.__code__ = _torch_code
-            _torch_code = None
+    namespace: dict[str, Any] = {}
+    exec(compile(_PER_THREAD_SOURCE, "<aioloader thread worker info>", "exec"), namespace)
+    torch_worker.__dict__["_aioloader_thread_info"] = _in_thread
+    original, ours = target.__code__, namespace["get_worker_info"].__code__
+    target.__code__ = ours
+
+    def undo() -> None:
+        # The module's variable stays: a call in another thread may be inside our code now.
+        if target.__code__ is ours:  # not if someone changed it since
+            target.__code__ = original
+
+    return undo
+
+
+# While thread workers exist: torch.utils.data.get_worker_info() answers per thread.
+TORCH_INFO_PER_THREAD = Patch(_torch_info_per_thread)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from ._errors import LoadError
-from ._sources import Kind
+from ._sources import Kind, aclose
 from ._sources import fetch as fetch_items
 
 log = logging.getLogger("aioloader")
@@ -364,6 +364,7 @@ class LoadStage:
                 task.cancel()
             if window or pending:
                 await asyncio.gather(*window, *pending, return_exceptions=True)
+            await aclose(keys)  # the source's own iterator: its finally runs now
 
     async def fetch(self, dataset: Any, indices: Sequence[int]) -> list[Any]:
         """A map-style batch: the instances at ``indices`` (skipped ones left out), loaded

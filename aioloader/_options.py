@@ -1,20 +1,19 @@
-"""The DataLoader's arguments checked in one place: each one's type and range, then the rules
-between them, before anything is read or started (issue 19)."""
+"""The checks of the DataLoader's arguments: each one's type and range, then the rules between
+them, before anything is read or started (issue 19). ``_config.build_config`` runs them."""
 
 from __future__ import annotations
 
 import numbers
 import operator
 import reprlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ._device import DeviceLike, as_device
-from ._loads import LoadOptions, Retry, load_options
+from ._loads import LoadOptions, Retry
 from ._samplers import BatchSampler
-from ._sources import Kind, classify
+from ._sources import Kind
 
 START_METHODS = ("fork", "spawn", "forkserver")
 WORKER_TYPES = ("process", "thread")
@@ -27,130 +26,105 @@ class ArgumentTypeError(TypeError, ValueError):
     that an ``except ValueError`` written then still catches them."""
 
 
-@dataclass(frozen=True)
-class Checked:
-    """The arguments as the loader keeps them: ints as ``int`` (a numpy integer too), and
-    torch's spellings (``prefetch_factor``, ``multiprocessing_context``, ``timeout=0``,
-    ``shuffle=None``) turned into ours."""
-
-    kind: Kind
-    loads: LoadOptions | None
-    batch_size: int | None
-    shuffle: bool
-    batches_per_epoch: int | None
-    num_workers: int
-    max_instances_in_memory: int | None
-    start_method: str
-    worker_nice: int
-    device: torch.device | None
-    seed: int | None
-    timeout: float | None
-    prefetch: int
-    max_worker_restarts: int
-    max_batches_per_worker: int | None
-    max_worker_rss: int | None
-    retries: int | Retry
-
-
-def check_arguments(
-    reader: Any, data_path: Any, *, batch_size: Any, drop_last: Any, shuffle: Any,
-    batch_sampler: Any, batches_per_epoch: Any, num_workers: Any,
-    max_instances_in_memory: Any, start_method: Any, worker_type: Any, worker_nice: Any,
-    cuda_device: Any, quiet: Any, collate_fn: Any, seed: Any, timeout: Any, prefetch: Any,
-    even_batches: Any, zero_copy: Any, max_worker_restarts: Any,
-    max_batches_per_worker: Any, max_worker_rss: Any, log_every: Any, load_fn: Any,
-    concurrency: Any, ordered: Any, retries: Any, on_error: Any, sampler: Any,
-    worker_init_fn: Any, persistent_workers: Any, prefetch_factor: Any, generator: Any,
-    in_order: Any, multiprocessing_context: Any, pin_memory: Any, pin_memory_device: Any,
-) -> Checked:
-    """Every rule of ``DataLoader(...)``: ``TypeError`` for a wrong type
-    (:class:`ArgumentTypeError`), ``ValueError`` for a wrong value or combination; each
-    message names the argument, what it got and what it takes."""
-    kind = classify(reader)
+def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+    """Each argument of ``DataLoader(...)`` alone: ``TypeError`` for a wrong type
+    (:class:`ArgumentTypeError`), ``ValueError`` for a wrong value; each message names the
+    argument, what it got and what it takes. Returns them as the loader keeps them: ints as
+    ``int`` (a numpy integer too), torch's ``timeout=0`` and ``shuffle=None`` as ours."""
     _positional_batch_size(data_path, kind)
-    # ------------------------------------------------------------ each argument alone
-    batch_size = _optional_int("batch_size", batch_size, "a positive int or None", least=1)
-    _flag("drop_last", drop_last)
-    shuffle = False if shuffle is None else _flag("shuffle", shuffle, "True, False or None")
-    _batch_sampler(batch_sampler)
-    batches_per_epoch = _optional_int("batches_per_epoch", batches_per_epoch,
-                                      "a positive int or None", least=1)
-    num_workers = _int("num_workers", num_workers, "an int >= 0 (0: no worker processes)",
-                       least=0)
-    max_instances_in_memory = _optional_int(
-        "max_instances_in_memory", max_instances_in_memory, "a positive int or None", least=1)
-    _choice("start_method", start_method, START_METHODS)
-    _choice("worker_type", worker_type, WORKER_TYPES)
-    device = _device(cuda_device)
-    if quiet is not None:
-        _flag("quiet", quiet, "True, False or None")
-    _callable("collate_fn", collate_fn, "a list of samples -> a batch")
-    seed = _optional_int("seed", seed, "an int or None", least=None)
-    timeout = _timeout(timeout)
-    prefetch = _optional_int("prefetch", prefetch, "a positive int or None", least=1)
-    _flag("even_batches", even_batches)
-    _flag("zero_copy", zero_copy)
-    max_worker_restarts = _int("max_worker_restarts", max_worker_restarts,
-                               "an int >= 0 (0: a dead worker ends the epoch)", least=0)
-    max_batches_per_worker = _optional_int("max_batches_per_worker", max_batches_per_worker,
-                                           "None or an int >= 1", least=1)
-    max_worker_rss = _optional_int("max_worker_rss", max_worker_rss,
-                                   "None or an int >= 1 (bytes)", least=1)
-    if log_every is not None:
-        _seconds("log_every", log_every, "a positive number of seconds or None")
-    _callable("load_fn", load_fn, "key -> instance")
-    concurrency = _optional_int("concurrency", concurrency,
-                                "an int >= 1 (loads in flight per worker) or None", least=1)
-    _flag("ordered", ordered)
-    if not isinstance(retries, Retry):
-        retries = _int("retries", retries, "an int >= 0 or an aioloader.Retry", least=0)
-    _choice("on_error", on_error, ("raise", "skip"), '"raise" or "skip"')
-    _sampler(sampler)
-    _callable("worker_init_fn", worker_init_fn, "worker id -> None")
-    _flag("persistent_workers", persistent_workers)
-    prefetch_factor = _optional_int("prefetch_factor", prefetch_factor,
-                                    "an int >= 1 or None", least=1)
+    a = dict(arguments)
+    a["batch_size"] = _optional_int("batch_size", a["batch_size"], "a positive int or None",
+                                    least=1)
+    _flag("drop_last", a["drop_last"])
+    a["shuffle"] = (False if a["shuffle"] is None
+                    else _flag("shuffle", a["shuffle"], "True, False or None"))
+    _batch_sampler(a["batch_sampler"])
+    a["batches_per_epoch"] = _optional_int("batches_per_epoch", a["batches_per_epoch"],
+                                           "a positive int or None", least=1)
+    a["num_workers"] = _int("num_workers", a["num_workers"],
+                            "an int >= 0 (0: no worker processes)", least=0)
+    a["max_instances_in_memory"] = _optional_int(
+        "max_instances_in_memory", a["max_instances_in_memory"], "a positive int or None",
+        least=1)
+    _choice("start_method", a["start_method"], START_METHODS)
+    _choice("worker_type", a["worker_type"], WORKER_TYPES)
+    a["device"] = _device(a.pop("cuda_device"))
+    if a["quiet"] is not None:
+        _flag("quiet", a["quiet"], "True, False or None")
+    _callable("collate_fn", a["collate_fn"], "a list of samples -> a batch")
+    a["seed"] = _optional_int("seed", a["seed"], "an int or None", least=None)
+    a["timeout"] = _timeout(a["timeout"])
+    a["prefetch"] = _optional_int("prefetch", a["prefetch"], "a positive int or None", least=1)
+    _flag("even_batches", a["even_batches"])
+    _flag("zero_copy", a["zero_copy"])
+    a["max_worker_restarts"] = _int("max_worker_restarts", a["max_worker_restarts"],
+                                    "an int >= 0 (0: a dead worker ends the epoch)", least=0)
+    a["max_batches_per_worker"] = _optional_int(
+        "max_batches_per_worker", a["max_batches_per_worker"], "None or an int >= 1", least=1)
+    a["max_worker_rss"] = _optional_int("max_worker_rss", a["max_worker_rss"],
+                                        "None or an int >= 1 (bytes)", least=1)
+    if a["log_every"] is not None:
+        _seconds("log_every", a["log_every"], "a positive number of seconds or None")
+    _callable("load_fn", a["load_fn"], "key -> instance")
+    a["concurrency"] = _optional_int(
+        "concurrency", a["concurrency"], "an int >= 1 (loads in flight per worker) or None",
+        least=1)
+    _flag("ordered", a["ordered"])
+    if not isinstance(a["retries"], Retry):
+        a["retries"] = _int("retries", a["retries"], "an int >= 0 or an aioloader.Retry",
+                            least=0)
+    _choice("on_error", a["on_error"], ("raise", "skip"), '"raise" or "skip"')
+    _sampler(a["sampler"])
+    _callable("worker_init_fn", a["worker_init_fn"], "worker id -> None")
+    _flag("persistent_workers", a["persistent_workers"])
+    a["prefetch_factor"] = _optional_int("prefetch_factor", a["prefetch_factor"],
+                                         "an int >= 1 or None", least=1)
+    generator = a["generator"]
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ArgumentTypeError(f"generator must be a torch.Generator or None, got "
                                 f"{_got(generator)}")
-    _flag("in_order", in_order)
-    _flag("pin_memory", pin_memory)
-    if not isinstance(pin_memory_device, str):
+    _flag("in_order", a["in_order"])
+    _flag("pin_memory", a["pin_memory"])
+    if not isinstance(a["pin_memory_device"], str):
         raise ArgumentTypeError(f"pin_memory_device must be a str, got "
-                                f"{_got(pin_memory_device)}")
-    # ------------------------------------------------------------ rules between them
-    start_method = _start_method(start_method, multiprocessing_context)
-    prefetch = _prefetch_of(prefetch, prefetch_factor, num_workers)
-    _batching(data_path, batch_size=batch_size, drop_last=drop_last, shuffle=shuffle,
-              batch_sampler=batch_sampler, max_instances_in_memory=max_instances_in_memory)
-    _torch_samplers(kind, sampler=sampler, shuffle=shuffle, batch_sampler=batch_sampler)
-    _process_only(worker_type, max_worker_restarts=max_worker_restarts,
-                  max_batches_per_worker=max_batches_per_worker, max_worker_rss=max_worker_rss)
-    worker_nice = validate_worker_nice(worker_nice, num_workers=num_workers,
-                                       worker_type=worker_type)
-    loads = load_options(reader, kind, load_fn=load_fn, concurrency=concurrency,
-                         ordered=ordered, retries=retries, on_error=on_error)
-    if loads is not None and not loads.ordered and (
-            max_worker_restarts or max_batches_per_worker or max_worker_rss):
+                                f"{_got(a['pin_memory_device'])}")
+    return a
+
+
+def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
+    """The rules between arguments (``a``: as :func:`check_each` returned them); torch's
+    ``multiprocessing_context`` and ``prefetch_factor`` become ``start_method`` and
+    ``prefetch`` in ``a``."""
+    a["start_method"] = _start_method(a["start_method"], a["multiprocessing_context"])
+    a["prefetch"] = _prefetch_of(a["prefetch"], a["prefetch_factor"], a["num_workers"])
+    _batching(data_path, batch_size=a["batch_size"], drop_last=a["drop_last"],
+              shuffle=a["shuffle"], batch_sampler=a["batch_sampler"],
+              max_instances_in_memory=a["max_instances_in_memory"])
+    _torch_samplers(kind, sampler=a["sampler"], shuffle=a["shuffle"],
+                    batch_sampler=a["batch_sampler"])
+    _process_only(a["worker_type"], max_worker_restarts=a["max_worker_restarts"],
+                  max_batches_per_worker=a["max_batches_per_worker"],
+                  max_worker_rss=a["max_worker_rss"])
+    a["worker_nice"] = validate_worker_nice(a["worker_nice"], num_workers=a["num_workers"],
+                                            worker_type=a["worker_type"])
+
+
+def check_load_rules(kind: Kind, loads: LoadOptions | None, a: dict[str, Any]) -> None:
+    """The rules between the load stage (``loads``) and the other arguments."""
+    if loads is None or loads.ordered:
+        return
+    if a["max_worker_restarts"] or a["max_batches_per_worker"] or a["max_worker_rss"]:
         raise ValueError(
             "ordered=False cannot be combined with max_worker_restarts, "
             "max_batches_per_worker or max_worker_rss: a replacement worker goes on from "
             "a position in the keys, and loads that finish out of order have none. Use "
             "ordered=True (loads still overlap; only the hand-over order is kept)")
-    if (not persistent_workers and num_workers and batches_per_epoch is not None
-            and loads is not None and not loads.ordered and kind is not Kind.MAP):
+    if (not a["persistent_workers"] and a["num_workers"]
+            and a["batches_per_epoch"] is not None and kind is not Kind.MAP):
         raise ValueError(
             "persistent_workers=False with batches_per_epoch and ordered=False: the next "
             "epoch's workers would have to go on from a position in the keys, and loads "
             "that finish out of order have none. Keep persistent_workers=True")
-    return Checked(
-        kind=kind, loads=loads, batch_size=batch_size, shuffle=shuffle,
-        batches_per_epoch=batches_per_epoch, num_workers=num_workers,
-        max_instances_in_memory=max_instances_in_memory, start_method=start_method,
-        worker_nice=worker_nice, device=device, seed=seed, timeout=timeout,
-        prefetch=prefetch, max_worker_restarts=max_worker_restarts,
-        max_batches_per_worker=max_batches_per_worker, max_worker_rss=max_worker_rss,
-        retries=retries)
 
 
 def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> int:

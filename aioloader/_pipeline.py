@@ -1,15 +1,42 @@
-"""Instances to batches, the same code in a worker and in the main process."""
+"""The pipeline, written once: source → loads → batcher → collate, in a worker or in this process.
+
+```
+ Shard (sharded, resumed) ─► keys ─► LoadStage.stream ─► instances ─┬─► ShardPass ─► Batch, Boundary
+   (no load stage: the shard's instances themselves)                └─► chunks (a cache fills)
+ index batches ─► fetch() or LoadStage.fetch() (InOrder: overlapped, in order) ─► collate
+```
+
+Everything here is a plain iterable (a sync source without a load stage: the whole chain runs
+wherever its consumer pulls it, a worker's loop or the in-process producer's thread) or an
+async iterable. A worker wraps what they yield with its wire (slots, arena, ``Retiring``,
+``Progress``); the in-process producers (``num_workers=0``) iterate them directly.
+
+Every async iterator the pipeline makes or takes is started without the loop's
+async-generator hooks (:func:`unhooked`) and closed by whoever iterates it: an in-process
+producer outlives the loop of one epoch, and a loop closes at its shutdown the generators
+first iterated on it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import asyncio
+import collections
+import itertools
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ._collate import default_collate
-from ._loads import SkippedLoad
+from ._loads import LoadOptions, LoadStage, Report, SkippedLoad
 from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
 from ._samplers import Batcher, BatchSampler, Group
+from ._sources import Kind, Unhooked, aclose, as_async, fetch, unhooked
+
+T = TypeVar("T")
+R = TypeVar("R")
+INSTANCE_CHUNK = 64  # instances per chunk when instances themselves are handed on (a cache)
+Offload = Callable[..., Awaitable[Any]]  # runs a blocking call off the loop: offload(fn, *args)
+Touch = Callable[[], None]  # a sign of life, after every instance (a timeout measures silence)
 
 
 @dataclass(frozen=True)
@@ -21,6 +48,24 @@ class BatchOptions:
     shuffle: bool
     sampler: BatchSampler | None
     chunk_size: int | None  # max_instances_in_memory; None = the whole pass at once
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A batch's instances, due to be collated, and where it lies in its pass."""
+
+    items: list[Any]
+    mark: Mark
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """The pass stands between two blocks: a successor could begin at ``start``."""
+
+    start: BlockStart
+
+
+Step = Batch | Boundary
 
 
 class ShardPass:
@@ -46,34 +91,259 @@ class ShardPass:
         self._skip = start.batches if start is not None else 0
         self.emitted = 0
 
-    def feed(self, instance: Any) -> list[tuple[list[Any], Mark]]:
+    def take(self, instance: Any) -> list[Step]:
+        """Take one instance (or a skipped key's marker): the batches it completes, then a
+        :class:`Boundary` when a block closed (or has not begun) here."""
         self.taken += 1
         # A key skipped on error counts for the position, and has nothing to batch.
         groups = [] if isinstance(instance, SkippedLoad) else self.batcher.feed(instance)
-        if self.batcher.filled == 0:  # a block closed (or has not begun): it starts here
-            self.starts[self.batcher.block] = self.shard.mark(self.batcher.block, self.taken)
-        return self._marked(groups) if groups else []
+        steps: list[Step] = self._marked(groups) if groups else []
+        if self.batcher.filled == 0:  # a block closed (or has not begun): the next starts here
+            block = self.batcher.block
+            self.starts[block] = self.shard.mark(block, self.taken)
+            steps.append(Boundary(self.starts[block]))
+        return steps
 
-    def finish(self) -> list[tuple[list[Any], Mark]]:
+    def finish(self) -> list[Step]:
+        """The pass's last batches."""
         return self._marked(self.batcher.finish())
 
-    def _marked(self, groups: list[Group]) -> list[tuple[list[Any], Mark]]:
-        out = []
+    def _marked(self, groups: list[Group]) -> list[Step]:
+        out: list[Step] = []
         for block, index, items in groups:
             if block == self._skip_block and index < self._skip:
                 continue  # delivered before the resume
             start = self.starts.pop(block, None)
-            out.append((items, [block, index, start.to_wire() if start is not None else None]))
+            out.append(Batch(items, [block, index,
+                                     start.to_wire() if start is not None else None]))
         self.emitted += len(out)
         return out
 
 
-def sync_batches(stream: Iterable[Any],
-                 batcher: ShardPass) -> Iterator[tuple[list[Any], Mark]]:
-    for instance in stream:
-        yield from batcher.feed(instance)
-    yield from batcher.finish()
+@dataclass(frozen=True)
+class Pipeline:
+    """What one shard reads and how it becomes batches: a worker's (``worker`` of
+    ``num_workers``) or this process's (the defaults)."""
+
+    source: Any
+    kind: Kind
+    data_path: Any
+    options: BatchOptions | None  # None: not batched here (index batches, instances)
+    collate_fn: Callable[[list[Any]], Any] | None
+    loads: LoadOptions | None = None  # the source yields keys; a load stage loads them
+    worker: int = 0
+    num_workers: int = 1
+    rank: int = 0
+    world_size: int = 1
+
+    def collate(self, items: list[Any]) -> Any:
+        return (self.collate_fn or default_collate)(items)
+
+    def stage(self, worker: int | None, report: Report) -> LoadStage | None:
+        """The load stage, to enter (None: the source yields instances)."""
+        if self.loads is None:
+            return None
+        return LoadStage(self.source, self.loads, worker=worker, report=report)
+
+    def fetch(self, indices: list[int], touch: Touch | None = None) -> list[Any]:
+        """A map-style batch's instances (without a load stage; with one,
+        ``LoadStage.fetch``)."""
+        return fetch(self.source, indices, touch)
+
+    def shard(self, start: BlockStart = PASS_START) -> Shard:
+        return Shard(self.source, self.kind, self.data_path, self.worker, self.num_workers,
+                     self.rank, self.world_size, start, keys=self.loads is not None)
+
+    def instances(self, shard: Shard, stage: LoadStage | None,
+                  offload: Offload | None = None) -> Iterable[Any] | Unhooked[Any]:
+        """The shard's instances: a plain iterable for a sync source without a load stage;
+        else an async iterator (with a load stage, its keys loaded: :class:`SkippedLoad`
+        markers for keys skipped on error, so that positions still count them). A sync
+        source's keys are listed in chunks through ``offload``, or in place (None)."""
+        stream = shard.stream
+        if isinstance(stream, AsyncIterable):
+            keys: Unhooked[Any] = unhooked(stream)
+        elif stage is None:
+            return stream
+        else:
+            keys = unhooked(_listed(stream, offload))
+        return keys if stage is None else unhooked(stage.stream(keys))
+
+    def batches(self, start: ShardPosition, seed: int, stage: LoadStage | None, *,
+                touch: Touch | None = None,
+                offload: Offload | None = None) -> Iterator[Step] | Unhooked[Step]:
+        """One pass's batches (and block boundaries), from ``start`` on; batches are seeded
+        from ``seed``, the pass's."""
+        assert self.options is not None
+        shard = self.shard(start.start)
+        cut = ShardPass(shard, self.options, seed, start)
+        instances = self.instances(shard, stage, offload)
+        if isinstance(instances, Unhooked):
+            return unhooked(_async_batches(instances, cut, touch))
+        return _sync_batches(instances, cut, touch)
+
+    def chunks(self, start: BlockStart, stage: LoadStage | None, *,
+               touch: Touch | None = None,
+               offload: Offload | None = None) -> Iterator[list[Any]] | Unhooked[list[Any]]:
+        """One pass's instances (and skipped keys' markers), in lists of
+        :data:`INSTANCE_CHUNK`."""
+        instances = self.instances(self.shard(start), stage, offload)
+        if isinstance(instances, Unhooked):
+            return unhooked(_async_chunks(instances, touch))
+        return _sync_chunks(instances, touch)
 
 
-def collate_with(collate_fn: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], Any]:
-    return collate_fn if collate_fn is not None else default_collate
+def _sync_batches(instances: Iterable[Any], cut: ShardPass,
+                  touch: Touch | None) -> Iterator[Step]:
+    for instance in instances:
+        if touch is not None:
+            touch()
+        yield from cut.take(instance)
+    yield from cut.finish()
+
+
+async def _async_batches(instances: AsyncIterator[Any], cut: ShardPass,
+                         touch: Touch | None) -> AsyncIterator[Step]:
+    try:
+        async for instance in instances:
+            if touch is not None:
+                touch()
+            for step in cut.take(instance):
+                yield step
+        for step in cut.finish():
+            yield step
+    finally:
+        await aclose(instances)
+
+
+def _sync_chunks(instances: Iterable[Any], touch: Touch | None) -> Iterator[list[Any]]:
+    it = iter(instances) if touch is None else _touching(instances, touch)
+    while True:
+        chunk = list(itertools.islice(it, INSTANCE_CHUNK))
+        if chunk:
+            yield chunk
+        if len(chunk) < INSTANCE_CHUNK:
+            return
+
+
+async def _async_chunks(instances: AsyncIterator[Any],
+                        touch: Touch | None) -> AsyncIterator[list[Any]]:
+    chunk: list[Any] = []
+    try:
+        async for item in instances:
+            if touch is not None:
+                touch()
+            chunk.append(item)
+            if len(chunk) >= INSTANCE_CHUNK:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+    finally:
+        await aclose(instances)
+
+
+def _touching(stream: Iterable[Any], touch: Touch) -> Iterator[Any]:
+    for item in stream:
+        touch()
+        yield item
+
+
+async def _listed(stream: Iterable[Any], offload: Offload | None) -> AsyncIterator[Any]:
+    """A sync source's keys, for a load stage: taken in chunks through ``offload`` (listing
+    may block), or one by one in place (``None``: a worker's loop may block)."""
+    it = iter(stream)
+    if offload is None:
+        for key in it:
+            yield key
+        return
+    while True:
+        chunk = await offload(_take, it, INSTANCE_CHUNK)
+        for key in chunk:
+            yield key
+        if len(chunk) < INSTANCE_CHUNK:
+            return
+
+
+def _take(it: Iterator[T], n: int) -> list[T]:
+    return list(itertools.islice(it, n))
+
+
+def each(steps: Iterable[T] | Unhooked[T]) -> Unhooked[T]:
+    """``steps`` as an async iterator: a plain iterable is pulled in place (in a worker,
+    where blocking the loop is fine)."""
+    if isinstance(steps, Unhooked):
+        return steps
+    return unhooked(as_async(steps))
+
+
+class InOrder(Generic[R, T]):
+    """``start(request)`` for each request as it arrives, results handed on in the requests'
+    order: the work of later requests overlaps the wait for the first.
+
+    ``ahead``: at most so many requests started and not yet handed on (None: every request
+    is started as it arrives; the requester bounds them). Not an async generator (see the
+    module docstring); :meth:`aclose` cancels what is in flight and waits for it.
+    """
+
+    def __init__(self, requests: AsyncIterable[R], start: Callable[[R], Awaitable[T]],
+                 ahead: int | None = None) -> None:
+        self._requests = unhooked(requests)
+        self._start = start
+        self._room = asyncio.Semaphore(ahead) if ahead is not None else None
+        self._started: collections.deque[tuple[R, asyncio.Future[T]]] = collections.deque()
+        self._more = asyncio.Event()  # a request started, or the requests ended
+        self._intake: asyncio.Future[None] | None = None
+
+    def __aiter__(self) -> InOrder[R, T]:
+        return self
+
+    async def __anext__(self) -> tuple[R, T]:
+        if self._intake is None:
+            self._intake = asyncio.ensure_future(self._take())
+        while not self._started:
+            if self._intake.done():
+                self._intake.result()  # the intake failed: raise its error
+                raise StopAsyncIteration
+            self._more.clear()
+            await self._more.wait()
+        request, working = self._started[0]
+        result = await working
+        self._started.popleft()
+        if self._room is not None:
+            self._room.release()
+        return request, result
+
+    async def _take(self) -> None:
+        try:
+            while True:
+                if self._room is not None:
+                    await self._room.acquire()
+                try:
+                    request = await self._requests.__anext__()
+                except StopAsyncIteration:
+                    return
+                self._started.append((request, asyncio.ensure_future(self._start(request))))
+                self._more.set()
+        finally:
+            self._more.set()
+
+    def _in_flight(self) -> list[asyncio.Future[Any]]:
+        flight: list[asyncio.Future[Any]] = [f for _, f in self._started]
+        if self._intake is not None:
+            flight.append(self._intake)
+        self._started.clear()
+        self._intake = None
+        return flight
+
+    def abandon(self) -> None:
+        """No loop to wait on (a synchronous close): cancel what is in flight."""
+        for f in self._in_flight():
+            f.cancel()
+
+    async def aclose(self) -> None:
+        flight = self._in_flight()
+        for f in flight:
+            f.cancel()
+        await asyncio.gather(*flight, return_exceptions=True)
+        await aclose(self._requests)

@@ -23,7 +23,7 @@ import torch
 from ._distributed import even_out, shard_order, share_size
 from ._samplers import (
     BatchSampler,
-    _check_options,
+    check_options,
     derive_seed,
     num_batches,
     split_batches,
@@ -74,7 +74,7 @@ class PlanSpec:
     even_batches: bool = True
 
     def __post_init__(self) -> None:
-        _check_options(self.batch_size, self.drop_last, self.shuffle, self.sampler)
+        check_options(self.batch_size, self.drop_last, self.shuffle, self.sampler)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:

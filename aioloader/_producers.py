@@ -17,14 +17,15 @@ from typing import Any
 
 from ._errors import ResumeError
 from ._loads import ALL_SKIPPED, SkippedLoad
+from ._phases import WorkerLost
+from ._pipeline import INSTANCE_CHUNK
 from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ._session import Delivered, PassDone, Step
 from ._sources import shard_spec
 from ._stats import ArenaStats, WorkerStats
-from ._supervisor import Ended, Supervisor, WorkerLost
+from ._supervisor import Ended, Received, Supervisor
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking: a thread)
-INSTANCE_CHUNK = 64
 
 
 class CachedInstances(Sequence[Any]):
@@ -90,6 +91,11 @@ class Plans:
 
 
 # ---------------------------------------------------------------------- through workers
+
+def _delivered(got: Received) -> Delivered:
+    """A worker's batch, as the session hands it over."""
+    return Delivered(got.value, got.seq, got.mark, got.nbytes)
+
 
 class _OnWorkers:
     """A producer whose work happens in a supervisor's workers."""
@@ -168,7 +174,7 @@ class WorkerStream(_OnWorkers):
             self._shards[w].delivered(got.mark)
             self._rr = w + 1
             self._produced += 1
-            return got
+            return _delivered(got)
 
     def behind(self) -> str:
         ids = [self._waiting] if self._waiting is not None else sorted(self._pending)
@@ -229,12 +235,12 @@ class WorkerIndex(_OnWorkers):
                     if isinstance(item, _InFlight) and item.worker == head.worker:
                         self.sup.request(item.worker, item.seq, item.indices)
         self._queue.popleft()
-        if not isinstance(got, Delivered) or got.seq != head.seq:
+        if not isinstance(got, Received) or got.seq != head.seq:
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
                                  f"got {got!r}")
         if got.mark == ALL_SKIPPED:  # every key of it failed and was skipped (reported)
             return await self.next()
-        return got
+        return _delivered(got)
 
     def behind(self) -> str:
         head = self._queue[0] if self._queue else None

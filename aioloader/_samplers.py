@@ -354,13 +354,13 @@ def plan_indices(
     Without a sampler the shuffle is `index_batches`' (torch.randperm seeded from `rng`); a
     sampler draws from `rng` through `current_rng()`.
     """
-    _check_options(batch_size, drop_last, shuffle, sampler)
+    check_options(batch_size, drop_last, shuffle, sampler)
     if sampler is not None:
         if isinstance(instances_or_len, int):
             raise TypeError("plan_indices: a sampler needs the instances, not their number")
         with use_rng(rng):
             return [list(b) for b in sampler.get_batch_indices(instances_or_len)]
-    assert batch_size is not None  # _check_options
+    assert batch_size is not None  # check_options
     n = instances_or_len if isinstance(instances_or_len, int) else len(instances_or_len)
     return index_batches(n, batch_size, drop_last=drop_last, shuffle=shuffle, rng=rng)
 
@@ -408,7 +408,7 @@ class Batcher:
         seed: int | None = None,
         first_block: int = 0,
     ) -> None:
-        _check_options(batch_size, drop_last, shuffle, sampler)
+        check_options(batch_size, drop_last, shuffle, sampler)
         if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
             raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
         self._batch_size = batch_size
@@ -476,7 +476,7 @@ class Batcher:
         return [Group(self.block, k, [chunk[i] for i in b]) for k, b in enumerate(plan)]
 
 
-def _check_options(
+def check_options(
     batch_size: int | None, drop_last: bool, shuffle: bool, sampler: BatchSampler | None
 ) -> None:
     if sampler is not None:

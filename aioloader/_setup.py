@@ -1,110 +1,161 @@
-"""Setup: a loader's options as data, and the one place producers and workers are made."""
+"""Setup: the one place a loader's plans, producers and workers are made, from its config
+and seed."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._config import LoaderConfig
+from ._distributed import all_reduce
+from ._errors import ResumeError
 from ._loads import LoadOptions, SkipLog
 from ._local import LocalIndex, LocalInstances, LocalStream
-from ._pipeline import BatchOptions
+from ._phases import RestartBudget
+from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
 from ._position import ShardPosition, StreamPosition
-from ._producers import Plan, WorkerIndex, WorkerInstances, WorkerStream
+from ._producers import CachedInstances, Plan, WorkerIndex, WorkerInstances, WorkerStream
 from ._session import Producer
 from ._sources import Kind
-from ._standby import StandbyPool
-from ._supervisor import RestartBudget, Supervisor
+from ._starting import StandbyPool
+from ._state import ResumePoint
+from ._supervisor import Supervisor
 from ._worker import Plan as Role
 from ._worker import WorkerSpec
 
 
 @dataclass(frozen=True)
 class Setup:
-    """A loader's options as data: how its producers (and their workers) are made.
+    """How a loader's producers (and their workers) are made, from its config and seed.
 
-    The loader asks for a producer by what it wants (a stream, index batches, one pass of
+    The run asks for a producer by what it wants (a stream, index batches, one pass of
     instances); only here are worker specs built and supervisors made.
     """
 
-    source: Any
-    kind: Kind
-    data_path: Any
-    options: BatchOptions
-    collate_fn: Callable[[list[Any]], Any] | None
-    num_workers: int
-    start_method: str
-    prefetch: int
-    zero_copy: bool
+    config: LoaderConfig
     seed: int
-    rank: int
-    world_size: int
-    timed: bool  # a timeout is set: progress is reported, nothing runs inline
     budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
-    max_batches: int | None = None  # max_batches_per_worker
-    max_rss: int | None = None  # max_worker_rss
-    loads: LoadOptions | None = None  # the load stage (issue 11): the source yields keys
     skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
-    worker_init_fn: Callable[[int], object] | None = None  # torch's, once per worker process
-    worker_type: str = "process"  # or "thread": workers in this process, batches by reference
-    worker_nice: int = 0  # added to each worker process's niceness (os.nice)
     standby: StandbyPool | None = None  # spawn: warm processes for the first workers (issue 13)
+
+    @functools.cached_property
+    def plan_spec(self) -> PlanSpec:
+        """What an epoch's plan is a function of (with the pass number)."""
+        b, topo = self.config.batching, self.config.topo
+        wrapped = b.sampler is not None  # batch_size and drop_last are in the batch sampler
+        return PlanSpec(
+            batch_size=None if wrapped else b.batch_size,
+            drop_last=False if wrapped else b.drop_last, shuffle=b.shuffle,
+            sampler=b.batch_sampler, seed=self.seed, rank=topo.rank,
+            world_size=topo.world_size, even_batches=b.even_batches)
+
+    def count(self, data: Sequence[Any]) -> int:
+        """Batches per epoch over ``data``: the dataset, or a reader's cached instances."""
+        return count_batches(self.plan_spec, data, shared=data is self.config.source)
+
+    def producer(self, first_pass: int, resume: ResumePoint | None,
+                 cache: CachedInstances | None) -> Producer:
+        """What a session starting at pass ``first_pass`` drives (from ``resume``, where it
+        belongs to that pass): a stream, or index batches of the dataset or of ``cache``
+        (a reader's instances, read already)."""
+        c = self.config
+        if c.lazy:
+            start = StreamPosition.begin(first_pass, c.shards)
+            if resume is not None and resume.stream is not None:
+                start = resume.stream
+            spec = self.plan_spec
+            # worker 0's seeds: one shard gives the same batches in or out of a worker
+            return self.stream(start, lambda pass_no: worker_seed(spec, pass_no, 0))
+        if c.kind is Kind.MAP:
+            data: Any = c.source
+            plan = self._map_plan()
+        else:
+            assert cache is not None, "a cached reader's producer needs its cache"
+            data = cache
+            plan = self._cached_plan(cache)
+            if resume is not None and resume.instances not in (None, len(cache)):
+                raise ResumeError(
+                    f"the state was taken over {resume.instances} instances, but the reader "
+                    f"now gives {len(cache)}: the data changed, so the position in the epoch "
+                    "means other batches")
+        ahead = sharding(self.plan_spec, shared=True) is not Sharding.AS_IS
+        return self.index(data, plan, first_pass, plan_ahead=ahead,
+                          skip=resume.in_pass if resume is not None else 0)
+
+    def _map_plan(self) -> Plan:
+        spec, data = self.plan_spec, self.config.source
+        return lambda pass_no: plan_epoch(spec, data, pass_no, shared=True)
+
+    def _cached_plan(self, data: CachedInstances) -> Plan:
+        spec, topo = self.plan_spec, self.config.topo
+        if not (topo.distributed and self.config.batching.even_batches):
+            return lambda pass_no: plan_epoch(spec, data, pass_no, shared=False)
+
+        target: list[int] = []  # agreed once per cache, by the first plan of the session
+
+        def agreed(pass_no: int) -> Sequence[list[int]]:  # in a thread, never from len()
+            if not target:
+                target.append(all_reduce(topo, count_batches(spec, data, shared=False), "max"))
+            return plan_epoch(spec, data, pass_no, shared=False, target_batches=target[0])
+
+        return agreed
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
+        c, w = self.config, self.config.workers
         spec = WorkerSpec(
-            source=source, kind=kind, data_path=self.data_path, plan=role,
-            options=self.options, collate_fn=self.collate_fn, worker_id=0,
-            num_workers=self.num_workers, rank=self.rank, world_size=self.world_size,
-            seed=self.seed, first_pass=first_pass, slots=self.prefetch,
-            parent_pid=os.getpid() if self.start_method != "forkserver" else 0,
-            progress=self.timed, starts=starts,
+            source=source, kind=kind, data_path=c.data_path, plan=role,
+            options=c.batching.options, collate_fn=c.collate_fn, worker_id=0,
+            num_workers=w.num_workers, rank=c.topo.rank, world_size=c.topo.world_size,
+            seed=self.seed, first_pass=first_pass, slots=w.slots,
+            parent_pid=os.getpid() if w.start_method != "forkserver" else 0,
+            progress=w.progress, starts=starts,
             # A cache-filling pass is read once: recycling is for the epochs' workers.
-            max_batches=self.max_batches if role != "instances" else None,
-            max_rss=self.max_rss if role != "instances" else None,
-            loads=self._loads_of(source), worker_init_fn=self.worker_init_fn,
-            threaded=self.worker_type == "thread", nice=self.worker_nice)
-        return Supervisor(spec, self.num_workers, self.start_method, lease=self.zero_copy,
+            max_batches=w.max_batches if role != "instances" else None,
+            max_rss=w.max_rss if role != "instances" else None,
+            loads=self._loads_of(source), worker_init_fn=w.init_fn,
+            threaded=w.threaded, nice=w.nice)
+        return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,
                           budget=self.budget, skips=self.skips, standby=self.standby)
-
-    @property
-    def shards(self) -> int:
-        """How many shards a stream is read in (one per worker; one in this process)."""
-        return max(self.num_workers, 1)
 
     def stream(self, start: StreamPosition, seed_for: Callable[[int], int]) -> Producer:
         """Batches of passes over a streaming source, each worker over its shard, from
         ``start`` on (``StreamPosition.begin(pass, shards)``: a pass's start)."""
-        if self.num_workers == 0:
-            return LocalStream(self.source, self.kind, self.data_path, self.options,
-                               self.collate_fn, seed_for, start.shards[0], self.rank,
-                               self.world_size, timed=self.timed, produced=start.produced,
-                               loads=self.loads, skips=self.skips)
+        c = self.config
+        if c.workers.num_workers == 0:
+            return LocalStream(c.source, c.kind, c.data_path, c.batching.options,
+                               c.collate_fn, seed_for, start.shards[0], c.topo.rank,
+                               c.topo.world_size, timed=c.workers.progress,
+                               produced=start.produced, loads=c.loads, skips=self.skips)
         first_pass = min(p.pass_no for p in start.shards)
-        sup = self._supervisor("stream", self.source, self.kind, first_pass, start.shards)
+        sup = self._supervisor("stream", c.source, c.kind, first_pass, start.shards)
         return WorkerStream(sup, start)
 
     def index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
               plan_ahead: bool, skip: int = 0) -> Producer:
         """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``;
         ``skip``: batches of the first pass already delivered (a resume)."""
-        if self.num_workers == 0:
-            return LocalIndex(data, plan, first_pass, self.collate_fn, timed=self.timed,
+        c = self.config
+        if c.workers.num_workers == 0:
+            return LocalIndex(data, plan, first_pass, c.collate_fn, timed=c.workers.progress,
                               skip=skip, loads=self._loads_of(data), skips=self.skips,
-                              ahead=self.prefetch)
+                              ahead=c.workers.slots)
         return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
-                           first_pass, self.prefetch, plan_ahead=plan_ahead, skip=skip)
+                           first_pass, c.workers.slots, plan_ahead=plan_ahead, skip=skip)
 
     def instances(self, pass_no: int) -> Producer:
         """One pass of a streaming source's instances, in chunks (to fill a cache)."""
-        if self.num_workers == 0:
-            return LocalInstances(self.source, self.kind, self.data_path, self.rank,
-                                  self.world_size, timed=self.timed, loads=self.loads,
+        c = self.config
+        if c.workers.num_workers == 0:
+            return LocalInstances(c.source, c.kind, c.data_path, c.topo.rank,
+                                  c.topo.world_size, timed=c.workers.progress, loads=c.loads,
                                   skips=self.skips)
-        return WorkerInstances(self._supervisor("instances", self.source, self.kind, pass_no))
+        return WorkerInstances(self._supervisor("instances", c.source, c.kind, pass_no))
 
     def _loads_of(self, data: Any) -> LoadOptions | None:
         """The load stage for ``data``: the source's; none for a cache of instances (they
         were loaded when the cache filled)."""
-        return self.loads if data is self.source else None
+        return self.config.loads if data is self.config.source else None

@@ -1,13 +1,24 @@
-"""What a loader can read from: readers, IterableDatasets, map-style Datasets; and sharding."""
+"""What a loader can read from: readers, IterableDatasets, map-style Datasets; sharding; and
+how their async iterators are started and closed."""
 
 from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+import sys
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Sequence,
+)
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch.utils.data
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -119,3 +130,48 @@ def fetch(dataset: Any, indices: Sequence[int],
         out.append(dataset[i])
         each()
     return out
+
+
+class Unhooked(Generic[T]):
+    """An async iterator whose first step is taken without the loop's hooks (see
+    :func:`unhooked`); closing it closes what it wraps."""
+
+    def __init__(self, it: AsyncIterator[T]) -> None:
+        self._it = it
+        self._first = True
+
+    def __aiter__(self) -> Unhooked[T]:
+        return self
+
+    def __anext__(self) -> Awaitable[T]:
+        if self._first:
+            self._first = False
+            hooks = sys.get_asyncgen_hooks()
+            sys.set_asyncgen_hooks(firstiter=None, finalizer=None)
+            try:
+                return self._it.__anext__()
+            finally:
+                sys.set_asyncgen_hooks(*hooks)
+        return self._it.__anext__()
+
+    async def aclose(self) -> None:
+        await aclose(self._it)
+
+
+def unhooked(stream: AsyncIterable[T]) -> Unhooked[T]:
+    """``stream``'s iterator, its first step not tied to the running loop.
+
+    An async generator consults the loop's hooks once, at its first step: started this way,
+    no loop closes it at shutdown, and its consumer closes it (:func:`aclose`).
+    """
+    if isinstance(stream, Unhooked):
+        return stream
+    return Unhooked(stream.__aiter__())
+
+
+async def aclose(it: Any) -> None:
+    """Close an async iterator, unless a consumer is inside it right now: the close has
+    cancelled that consumer, and the cancellation unwinding through it ends it."""
+    close = getattr(it, "aclose", None)
+    if close is not None and not getattr(it, "ag_running", False):
+        await close()

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ._arena import align
-from ._device import _map_tensors, _tensors
+from ._device import map_tensors, tensors
 
 SLOTS = 2  # staging buffers: batch N fills one while batch N-1's copy may still read the other
 
@@ -158,7 +158,7 @@ class Stager:
         by the consumer's compute.
         """
         backend = self._backend
-        staged = [t for t in _tensors(batch) if t.device != self.device and _stages(t)]
+        staged = [t for t in tensors(batch) if t.device != self.device and _stages(t)]
         offsets, need = _layout(staged)
         slot = self._claim(need)
         buffer = slot.buffer
@@ -183,7 +183,7 @@ class Stager:
 
         # Per-tensor device copies rather than views of one device buffer: each tensor the
         # consumer keeps (labels, say) then holds only its own memory, as with ``.to()``.
-        result = _map_tensors(batch, move)
+        result = map_tensors(batch, move)
         event = slot.event
         if event is None:
             event = slot.event = backend.event()

@@ -7,6 +7,7 @@ reads them: cheap enough to call every step (issue 12).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -119,3 +120,15 @@ class Meter:
         if self._since is not None:
             running = (time.monotonic() if now is None else now) - self._since
         return self._wall + running
+
+
+def stats_to_stderr() -> None:
+    """``log_every`` asks for the lines: make sure they show even where logging is not set
+    up (Python shows warnings only by default). Configure ``aioloader.stats`` to route them."""
+    log = logging.getLogger("aioloader.stats")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not log.hasHandlers():  # nothing up the tree would print it
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)

@@ -21,14 +21,12 @@ import os
 import socket
 import threading
 import weakref
-
-import torch
-import torch.utils.data._utils.collate as torch_collate
+from collections.abc import Iterator
 
 from . import _loops
-from ._collate import TORCH_COLLATE_TENSOR, stack_into_arena
+from ._collate import TORCH_COLLATE_IN_THREADS
 from ._dataplane import Shelf
-from ._info import hook_torch
+from ._info import TORCH_INFO_PER_THREAD
 from ._worker import WorkerSpec, serve
 
 log = logging.getLogger("aioloader")
@@ -84,11 +82,8 @@ class ThreadWorker:
     def _run(self) -> None:
         code = 1
         try:
-            _hooks(True)
-            try:
+            with torch_for_threads():
                 code = _loops.run(self._serve())
-            finally:
-                _hooks(False)
         except asyncio.CancelledError:
             code = 0 if self._stopping else 1
         except BaseException:  # serve reports the user's errors; this is ours
@@ -156,23 +151,10 @@ class ThreadWorker:
             os.close(self._sock.detach())
 
 
-# While thread workers exist: torch's get_worker_info() answers per thread (aioloader._info),
-# and torch's default_collate does not put a thread worker's batches in shared memory (it
-# does so whenever get_worker_info() is set, for a worker *process*: pointless in-process).
-# stack_into_arena is torch's tensor collate without that segment, as our worker processes
-# use it; with no arena slot to fill (none in a thread, nor outside workers) it is a stack.
-_hook_lock = threading.Lock()
-_hook_users = 0
-
-
-def _hooks(install: bool) -> None:
-    global _hook_users
-    hook_torch(install)
-    with _hook_lock:
-        _hook_users += 1 if install else -1
-        collate_map = torch_collate.default_collate_fn_map
-        current = collate_map.get(torch.Tensor)
-        if install and _hook_users == 1 and current is TORCH_COLLATE_TENSOR:
-            collate_map[torch.Tensor] = stack_into_arena
-        elif not install and _hook_users == 0 and current is stack_into_arena:
-            collate_map[torch.Tensor] = TORCH_COLLATE_TENSOR
+@contextlib.contextmanager
+def torch_for_threads() -> Iterator[None]:
+    """A thread worker's lifetime: torch's ``get_worker_info()`` answers per thread and its
+    ``default_collate`` makes no shared memory (aioloader/_info.py, _collate.py). Both are
+    undone when the last thread worker of this process ends."""
+    with TORCH_INFO_PER_THREAD.scope(), TORCH_COLLATE_IN_THREADS.scope():
+        yield

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -43,13 +43,12 @@ from ._collate import route_torch_collate_into_arena, use_allocator
 from ._dataplane import RefPool, Shelf, SlotPool
 from ._info import WorkerInfo, set_worker_info
 from ._loads import ALL_SKIPPED, LoadOptions, LoadStage
-from ._pipeline import BatchOptions, ShardPass, collate_with
-from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
+from ._pipeline import BatchOptions, Boundary, InOrder, Pipeline, each
+from ._position import Mark, ShardPosition
 from ._samplers import derive_seed
-from ._sources import Kind, as_async, fetch, is_async
+from ._sources import Kind, Unhooked
 
 Plan = Literal["stream", "instances", "index"]
-INSTANCE_CHUNK = 64  # instances per message when instances themselves are sent
 PROGRESS_EVERY = 0.1  # seconds of reading without a message before a Progress is sent
 _PROGRESS_FRAME = wire.encode(wire.Progress())
 
@@ -99,6 +98,12 @@ class WorkerSpec:
 
     def seed_for(self, pass_no: int) -> int:
         return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
+
+    def pipeline(self) -> Pipeline:
+        """What this worker reads, and how it becomes batches."""
+        return Pipeline(self.source, self.kind, self.data_path, self.options, self.collate_fn,
+                        self.loads, self.worker_id, self.num_workers, self.rank,
+                        self.world_size)
 
 
 class _Forking(threading.local):
@@ -426,6 +431,7 @@ async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = Non
             # process that serves the spec (a restarted or recycled worker's too). Its
             # exception is the worker's, reported like any other.
             spec.worker_init_fn(spec.worker_id)
+        pipe = spec.pipeline()
         async with contextlib.AsyncExitStack() as stack:
             stage = None
             if spec.loads is not None or spec.threaded:
@@ -435,15 +441,14 @@ async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = Non
                 serving = asyncio.current_task()
                 assert serving is not None
                 chan.on_eof = serving.cancel
-            if spec.loads is not None:
-                stage = await stack.enter_async_context(LoadStage(
-                    spec.source, spec.loads, worker=spec.worker_id,
-                    report=lambda s: chan.send(wire.Skipped(_plain(s.key), s.attempts,
-                                                            s.error))))
+            made = pipe.stage(spec.worker_id, report=lambda s: chan.send(
+                wire.Skipped(_plain(s.key), s.attempts, s.error)))
+            if made is not None:
+                stage = await stack.enter_async_context(made)
             if spec.plan == "index":
-                await _run_index(spec, chan, stage)
+                await _run_index(spec, pipe, chan, stage)
             else:
-                await _run_stream(spec, chan, stage)
+                await _run_stream(spec, pipe, chan, stage)
     except _ParentGone:
         pass
     except asyncio.CancelledError:
@@ -490,31 +495,13 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
-def _collate(spec: WorkerSpec, group: list[Any]) -> Callable[[], Any]:
-    collate = collate_with(spec.collate_fn)
-    return lambda: collate(group)
+def _collated(pipe: Pipeline, items: list[Any]) -> Callable[[], Any]:
+    return lambda: pipe.collate(items)
 
 
 def _plain(key: Any) -> Any:
     """A key as the wire carries it: itself when it is plain data, else its repr."""
     return key if isinstance(key, (str, int, float, bool, bytes, type(None))) else repr(key)
-
-
-async def _instances(spec: WorkerSpec, chan: _Channel, stream: Iterable[Any] | AsyncIterable[Any],
-                     stage: LoadStage | None) -> AsyncIterator[Any]:
-    """The shard's instances; with a load stage, its keys loaded (SkippedLoad markers for
-    keys skipped on error, so that positions still count them)."""
-    agen: AsyncIterator[Any] = stream if is_async(stream) else as_async(stream)  # type: ignore
-    if stage is not None:
-        agen = stage.stream(agen)
-    try:
-        async for item in agen:
-            if spec.progress:
-                chan.progress()
-            yield item
-    finally:
-        if stage is not None:
-            await agen.aclose()  # type: ignore[attr-defined]  # its loads in flight end
 
 
 class _Retirement:
@@ -556,13 +543,14 @@ def own_memory() -> int:
     return total
 
 
-async def _run_stream(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None) -> None:
+async def _run_stream(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
+                      stage: LoadStage | None) -> None:
     """Passes over this worker's shard, one after the other, until the parent stops us."""
-    start: ShardPosition | None = spec.start()
-    assert start is not None
+    start = spec.start()
     pass_no = start.pass_no
     retire = _Retirement(spec)
     seeded = spec.seed_for(spec.first_pass)  # by _serve, before worker_init_fn ran
+    touch = chan.progress if spec.progress else None
     while True:
         seed = spec.seed_for(pass_no)
         set_worker_info(WorkerInfo(spec.num_workers, spec.worker_id, seed, spec.rank,
@@ -571,32 +559,22 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None)
             _seed_everything(seed)
         seeded = -1
         sent = 0
+        due = False
         if spec.plan == "instances":
-            sent = await _send_instances(spec, chan, start.start if start else PASS_START,
-                                         stage)
+            sent = await _send_instances(chan, pipe.chunks(start.start, stage, touch=touch))
         else:
-            shard = Shard(spec.source, spec.kind, spec.data_path, spec.worker_id,
-                          spec.num_workers, spec.rank, spec.world_size,
-                          start.start if start is not None else PASS_START,
-                          keys=stage is not None)
-            batcher = ShardPass(shard, spec.options, seed, start)
-            start = None
-            due = False
-            async for instance in _instances(spec, chan, shard.stream, stage):
-                for group, mark in batcher.feed(instance):
-                    if not await chan.emit(sent, _collate(spec, group), mark):
+            async with contextlib.aclosing(each(pipe.batches(start, seed, stage,
+                                                             touch=touch))) as steps:
+                async for step in steps:
+                    if isinstance(step, Boundary):
+                        if due:  # retiring, at a block boundary: the successor starts here
+                            await _hand_over(chan, ShardPosition(pass_no, step.start))
+                            return
+                        continue
+                    if not await chan.emit(sent, _collated(pipe, step.items), step.mark):
                         return
                     sent += 1
                     due = retire.batch_done() or due
-                if due and batcher.batcher.filled == 0:  # a block boundary: hand over here
-                    block = batcher.batcher.block
-                    await _hand_over(chan, ShardPosition(pass_no, batcher.starts[block]))
-                    return
-            for group, mark in batcher.finish():
-                if not await chan.emit(sent, _collate(spec, group), mark):
-                    return
-                sent += 1
-                due = retire.batch_done() or due
         slot = await chan.slot()  # a pass end takes a slot too: bounded, even when empty
         if slot is None:
             return
@@ -605,8 +583,9 @@ async def _run_stream(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None)
             await chan._until(lambda: False)  # one pass only: wait for the parent to close
             return
         pass_no += 1
+        start = ShardPosition(pass_no)
         if due:
-            await _hand_over(chan, ShardPosition(pass_no))
+            await _hand_over(chan, start)
             return
 
 
@@ -616,90 +595,67 @@ async def _hand_over(chan: _Channel, position: ShardPosition | None) -> None:
     await chan._until(lambda: False)
 
 
-async def _send_instances(spec: WorkerSpec, chan: _Channel, start: BlockStart,
-                          stage: LoadStage | None) -> int:
+async def _send_instances(chan: _Channel,
+                          chunks: Iterable[list[Any]] | Unhooked[list[Any]]) -> int:
     """One pass of instances, in chunks (a cache fills from them); a key skipped on error
     goes as its SkippedLoad marker, so that the parent's count of keys stays right."""
-    chunk: list[Any] = []
     sent = 0
-    shard = Shard(spec.source, spec.kind, spec.data_path, spec.worker_id, spec.num_workers,
-                  spec.rank, spec.world_size, start, keys=stage is not None)
-    async for inst in _instances(spec, chan, shard.stream, stage):
-        chunk.append(inst)
-        if len(chunk) >= INSTANCE_CHUNK:
-            if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]
+    async with contextlib.aclosing(each(chunks)) as it:
+        async for chunk in it:
+            if not await chan.emit(sent, _given(chunk)):
                 raise _ParentGone
             sent += 1
-            chunk = []
-    if chunk:
-        if not await chan.emit(sent, lambda c=chunk: c):  # type: ignore[misc]
-            raise _ParentGone
-        sent += 1
     return sent
 
 
-async def _run_index(spec: WorkerSpec, chan: _Channel, stage: LoadStage | None) -> None:
+def _given(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+async def _run_index(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
+                     stage: LoadStage | None) -> None:
     """Fetch and collate the index batches the parent sends, in the order it sends them.
 
     A retiring worker says so and answers no more tasks: the parent gives the ones it did
     not answer to its successor, and closes this one once its batches are taken.
     """
     if stage is not None:
-        await _run_index_loaded(spec, chan, stage)
+        await _run_index_loaded(spec, pipe, chan, stage)
         return
     retire = _Retirement(spec)
+    touch = chan.progress if spec.progress else None
     while True:
         task = await chan.task()
         if task is None:
             return
-        group = fetch(spec.source, task.indices, chan.progress if spec.progress else None)
-        if not await chan.emit(task.seq, _collate(spec, group)):
+        if not await chan.emit(task.seq, _collated(pipe, pipe.fetch(task.indices, touch))):
             return
         if retire.batch_done():
             await _hand_over(chan, None)
             return
 
 
-async def _run_index_loaded(spec: WorkerSpec, chan: _Channel, stage: LoadStage) -> None:
+async def _tasks(chan: _Channel) -> AsyncIterator[wire.Task]:
+    """The parent's tasks, as they arrive, until it goes away."""
+    while (task := await chan.task()) is not None:
+        yield task
+
+
+async def _run_index_loaded(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
+                            stage: LoadStage) -> None:
     """:func:`_run_index` with a load stage: every task the parent sent starts its loads at
     once (the stage's gate bounds them), so loads overlap across batches; batches still go
     out in the order of the tasks."""
     retire = _Retirement(spec)
-    fetches: collections.deque[tuple[wire.Task, asyncio.Task[list[Any]]]] = collections.deque()
-    more = asyncio.Event()  # a task arrived, or the parent went away
-
-    async def intake() -> None:
-        while True:
-            task = await chan.task()
-            if task is None:
-                more.set()
-                return
-            fetches.append((task, asyncio.ensure_future(stage.fetch(spec.source,
-                                                                    task.indices))))
-            more.set()
-
-    taking = asyncio.ensure_future(intake())
+    fetches = InOrder(_tasks(chan), lambda task: stage.fetch(spec.source, task.indices))
     try:
-        while True:
-            if not fetches:
-                if taking.done():
-                    taking.result()  # the parent went away (or intake failed: raise it)
-                    return
-                more.clear()
-                await more.wait()
-                continue
-            task, fetching = fetches[0]
-            group = await fetching
-            fetches.popleft()
+        async for task, group in fetches:
             # Every key of the batch skipped: an empty answer, which the parent passes over.
-            make = _collate(spec, group) if group else (lambda: None)
+            make = _collated(pipe, group) if group else _given(None)
             if not await chan.emit(task.seq, make, None if group else ALL_SKIPPED):
                 return
             if retire.batch_done():
                 await _hand_over(chan, None)
                 return
     finally:
-        taking.cancel()
-        for _, fetching in fetches:
-            fetching.cancel()
-        await asyncio.gather(taking, *(f for _, f in fetches), return_exceptions=True)
+        await fetches.aclose()

@@ -17,12 +17,12 @@ pytestmark = [pytest.mark.deadline(120),
 SCRIPT = textwrap.dedent("""
     import multiprocessing.forkserver
     import aioloader
-    from aioloader._supervisor import _STARTER
+    from aioloader._starting import STARTER
     from preload_source import Pids
 
     loader = aioloader.DataLoader(Pids(), batch_size=2, num_workers=2,
                                   start_method="forkserver", quiet=True)
-    _STARTER.submit(lambda: None).result()  # the warm-up queued by the constructor is done
+    STARTER.submit(lambda: None).result()  # the warm-up queued by the constructor is done
     print(multiprocessing.forkserver._forkserver._forkserver_pid)  # started already
     with loader:
         pairs = {(int(pid), int(ppid)) for pids, ppids in loader  # collated: two columns

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import aioloader
-from aioloader import _epoch, _staging
+from aioloader import _config, _epoch, _staging
 from aioloader._staging import SLOTS, Stager
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -401,8 +401,8 @@ def test_pin_memory_never_pins_for_a_cuda_target(gpu: FakeGpu,
         return batch
 
     monkeypatch.setattr(_epoch, "pin", pin)
-    with loader_of(4) as loader:
-        loader._pin = True  # as on a machine with an accelerator
+    monkeypatch.setattr(_config, "can_pin", lambda: True)  # as on a machine with an accelerator
+    with loader_of(4, pin_memory=True) as loader:
         list(loader.sync(device="cuda:0"))
         assert not pinned  # the ring is pinned already
         list(loader)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._loader import validate_worker_nice
+from .._options import validate_worker_nice
 from . import _peers, _remote, _resume
 from ._measure import Result, Spec
 from ._remote import REMOTE

@@ -11,7 +11,7 @@ import gc
 import time
 from typing import Any
 
-from ._measure import Result, Spec, aio_loader, peer_setup, per_side
+from ._measure import Result, Spec, aio_loader, measure_here, peer_setup, per_side
 from ._peers import open_loader
 from ._workloads import FIRST_BATCHES, Workload, first_workload
 
@@ -60,3 +60,8 @@ async def _aio_async_first(spec: Spec, workload: Workload, dataset: Any) -> list
             break
     stamps.append(time.perf_counter())
     return stamps
+
+
+def measure(spec: Spec) -> Result:
+    """Run ``spec`` here, whatever its kind, and return its figures."""
+    return first_batch(spec) if spec.kind == "first" else measure_here(spec)

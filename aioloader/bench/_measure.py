@@ -65,23 +65,20 @@ class Spec:
         return cls(**json.loads(text))
 
 
-def measure(spec: Spec) -> Result:
-    """Run ``spec`` here and return its figures (plain JSON-able numbers)."""
+def measure_here(spec: Spec) -> Result:
+    """Run ``spec`` (any kind but "first", which ``_first`` builds on this module) here and
+    return its figures (plain JSON-able numbers)."""
     if spec.kind == "refs":
         return references(spec.loop)
     if spec.kind == "lag":
         return run_on(spec.loop, _loop_lag(spec))
-    if spec.kind == "first":
-        from ._first import first_batch  # it builds on this module's loaders
-
-        return first_batch(spec)
     return _throughput(spec)
 
 
 # ---------------------------------------------------------------------------- throughput
 
 @dataclass
-class _Clock:
+class Clock:
     """When each batch arrived, the main process's CPU time then, and the bytes it held."""
 
     start: float = field(default_factory=time.perf_counter)
@@ -145,31 +142,31 @@ def per_side(spec: Spec, workload: Workload, dataset: Any, *,
     return run_on(spec.loop, aio(spec, workload, dataset))
 
 
-def _peer_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
-    clock = _Clock()
+def _peer_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
+    clock = Clock()
     with open_loader(spec.side, dataset, peer_setup(spec, workload)) as loader:
         _epochs(clock, loader)
         del loader  # torch's persistent workers stop with the loader's last reference
     return clock
 
 
-def _aio_sync_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
-    clock = _Clock()
+def _aio_sync_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
+    clock = Clock()
     with aio_loader(spec, workload, dataset) as loader:
         _epochs(clock, loader)
         clock.data_stall = loader.stats().data_stall
     return clock
 
 
-def _epochs(clock: _Clock, loader: Iterable[Any]) -> None:
+def _epochs(clock: Clock, loader: Iterable[Any]) -> None:
     for _ in range(EPOCHS):
         for batch in loader:
             clock.arrived(batch)
         clock.epoch_end()
 
 
-async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> _Clock:
-    clock = _Clock()
+async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
+    clock = Clock()
     async with aio_loader(spec, workload, dataset) as loader:
         for _ in range(EPOCHS):
             async for batch in loader:
@@ -204,7 +201,7 @@ async def _loop_lag(spec: Spec) -> Result:
     ticks: list[tuple[float, float]] = []  # (wake time, lateness)
     ticker = asyncio.create_task(_tick(ticks))
     await asyncio.sleep(0.01)
-    clock = _Clock()
+    clock = Clock()
     try:
         if spec.side == "aioloader":
             async with aio_loader(spec, workload, dataset) as loader:
@@ -254,7 +251,7 @@ async def _loop_lag(spec: Spec) -> Result:
     }
 
 
-def _streamed_enough(clock: _Clock, spec: Spec) -> bool:
+def _streamed_enough(clock: Clock, spec: Spec) -> bool:
     """Whether a lag run has streamed an epoch and ``spec.min_s`` seconds (or its cap)."""
     epochs = len(clock.epoch_ends)
     if epochs == 0:

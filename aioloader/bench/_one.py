@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from ._measure import Spec, measure
+from ._first import measure
+from ._measure import Spec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ from aioloader.readers import FsspecReader
 from aioloader.testing import ObjectServer, object_server
 
 from ._footprint import Busy, Footprint
-from ._measure import Face, LoopName, _Clock, run_on
+from ._measure import Clock, Face, LoopName, run_on
 from ._peers import Setup, torch_loader
 from ._report import QUICK_NOTE, verdict
 from ._runner import MeasurementError, isolated_call
@@ -272,7 +272,7 @@ def measure_run(run: Run, plan: RemotePlan, server: ObjectServer) -> Result:
         busy.mark()
         figures: Result = {"objects_per_s": len(urls) / seconds, "mb_per_s": nbytes / seconds / 1e6}
     else:
-        clock = _Clock()
+        clock = Clock()
         if run.side == "aioloader":
             out.update(_consume_aioloader(plan, urls, run.concurrency, clock, busy))
         elif run.side == "torch":
@@ -292,7 +292,7 @@ def measure_run(run: Run, plan: RemotePlan, server: ObjectServer) -> Result:
     return {**out, **figures, **busy.figures(), "peak_mb": footprint.growth_mb()}
 
 
-def _consume(batches: Iterable[Any], clock: _Clock, busy: Busy) -> None:
+def _consume(batches: Iterable[Any], clock: Clock, busy: Busy) -> None:
     for batch in batches:
         clock.arrived(batch)
         if len(clock.stamps) == 1:
@@ -300,7 +300,7 @@ def _consume(batches: Iterable[Any], clock: _Clock, busy: Busy) -> None:
     busy.mark()
 
 
-def _consume_aioloader(plan: RemotePlan, urls: list[str], c: int, clock: _Clock,
+def _consume_aioloader(plan: RemotePlan, urls: list[str], c: int, clock: Clock,
                        busy: Busy) -> Result:
     def stats(loader: aioloader.DataLoader) -> Result:
         s = loader.stats()

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..testing import members
-from ._measure import Face, Kind, LoopName, Result, Spec, measure
+from ._first import measure
+from ._measure import Face, Kind, LoopName, Result, Spec
 from ._workloads import FIRST, FIRST_BATCHES, LAG, WORKLOADS, CollateChoice
 
 LAG_SIDES = ("aioloader", "torch-direct", "torch-executor")

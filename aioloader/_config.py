@@ -1,0 +1,285 @@
+"""LoaderConfig: a DataLoader's arguments, checked once and frozen, in four parts.
+
+Every rule between arguments and every torch alias (``prefetch_factor``,
+``multiprocessing_context``, ``sampler``, ``generator``, ``timeout=0``, ``pin_memory``) is
+resolved here, when the loader is built; nothing downstream sees an alias or re-checks a rule.
+What a worker needs is a part of the config (``Workers``), not a copy of its fields.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+import torch
+import torch.utils.data
+
+from ._device import can_pin
+from ._distributed import Topology, topology
+from ._loads import LoadOptions, Retry, load_options
+from ._options import check_each, check_load_rules, check_rules
+from ._pipeline import BatchOptions
+from ._samplers import BatchSampler
+from ._sources import Kind, classify
+
+
+@dataclass(frozen=True)
+class Batching:
+    """What an epoch's batches are."""
+
+    batch_size: int | None  # as given: with ``sampler``, inside ``batch_sampler`` too
+    drop_last: bool
+    shuffle: bool
+    batch_sampler: Any  # the user's, or torch's BatchSampler over ``sampler``
+    sampler: Any  # torch's ``sampler=``, as given
+    batches_per_epoch: int | None
+    max_instances_in_memory: int | None  # None: a reader's instances are cached
+    even_batches: bool
+
+    @property
+    def options(self) -> BatchOptions:
+        """What a worker's batcher needs."""
+        sampler = self.batch_sampler
+        return BatchOptions(
+            batch_size=self.batch_size, drop_last=self.drop_last, shuffle=self.shuffle,
+            sampler=sampler if isinstance(sampler, BatchSampler) else None,
+            chunk_size=self.max_instances_in_memory)
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where batches are built: how many workers, of what kind, and their limits."""
+
+    num_workers: int
+    worker_type: str  # "process" or "thread"
+    start_method: str  # torch's multiprocessing_context resolved
+    nice: int  # worker_nice
+    prefetch: int  # as asked (torch's prefetch_factor resolved)
+    slots: int  # batches in flight per worker: prefetch, or more for the load stage
+    zero_copy: bool
+    max_restarts: int
+    max_batches: int | None  # max_batches_per_worker
+    max_rss: int | None  # max_worker_rss
+    init_fn: Callable[[int], object] | None  # torch's worker_init_fn
+    persistent: bool  # persistent_workers
+    progress: bool  # a timeout is set: workers report progress, nothing runs inline
+
+    @property
+    def threaded(self) -> bool:
+        return self.worker_type == "thread"
+
+    @property
+    def warm_start(self) -> str | None:
+        """The start method whose interpreters start when the loader is made (spawn's
+        standbys, the forkserver), so that their imports overlap the script's set-up."""
+        if self.num_workers == 0 or self.threaded or self.start_method == "fork":
+            return None
+        return self.start_method
+
+
+@dataclass(frozen=True)
+class Output:
+    """How batches are handed over, and what the consumer is told."""
+
+    device: torch.device | None
+    pin: bool  # pin_memory=True where an accelerator can use it
+    quiet: bool | None
+    timeout: float | None  # torch's timeout=0 is None
+    log_every: float | None
+
+
+@dataclass(frozen=True)
+class Given:
+    """Arguments kept only as the user gave them (normalized), for the loader's attributes."""
+
+    seed: int | None
+    load_fn: Callable[[Any], Any] | None
+    concurrency: int | None
+    ordered: bool
+    retries: int | Retry
+    on_error: str
+    prefetch_factor: int | None
+    generator: torch.Generator | None
+    in_order: bool
+    multiprocessing_context: Any
+    pin_memory: bool
+    pin_memory_device: str
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """A DataLoader's arguments, checked, with every alias resolved."""
+
+    source: Any
+    kind: Kind
+    data_path: Any
+    collate_fn: Callable[[list[Any]], Any] | None
+    batching: Batching
+    workers: Workers
+    loads: LoadOptions | None
+    output: Output
+    given: Given
+    seed: int  # the base seed: given, drawn from the generator, or drawn here
+    topo: Topology
+
+    @property
+    def lazy(self) -> bool:
+        """A stream read as it goes (``max_instances_in_memory`` set)."""
+        return self.kind is not Kind.MAP and self.batching.max_instances_in_memory is not None
+
+    @property
+    def cached(self) -> bool:
+        """A stream read once into memory, then batched from there."""
+        return self.kind is not Kind.MAP and self.batching.max_instances_in_memory is None
+
+    @property
+    def shards(self) -> int:
+        """How many shards a stream is read in (one per worker; one in this process)."""
+        return max(self.workers.num_workers, 1)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The arguments a state depends on, as data (the seed is checked apart)."""
+        c, b = self, self.batching
+        return {
+            "source": c.kind.value,
+            "cached": c.cached,
+            "batch_size": b.batch_size,
+            "drop_last": b.drop_last,
+            "shuffle": b.shuffle,
+            "batch_sampler": None if b.batch_sampler is None
+            else type(b.batch_sampler).__qualname__,
+            "batches_per_epoch": b.batches_per_epoch,
+            "max_instances_in_memory": b.max_instances_in_memory,
+            "rank": c.topo.rank,
+            "world_size": c.topo.world_size,
+            "even_batches": b.even_batches,
+            # A stream is read in one shard per worker; index batches are the same whatever
+            # the number of workers.
+            "shards": c.shards if c.lazy else None,
+            "dataset_len": len(c.source) if c.kind is Kind.MAP else None,
+        }
+
+    @property
+    def keeps_workers(self) -> bool:
+        """Whether a completed epoch leaves its workers up for the next one."""
+        return self.workers.persistent or self.workers.num_workers == 0
+
+
+def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> LoaderConfig:
+    """The config for ``DataLoader(reader, data_path, **arguments)``: ``TypeError`` for a
+    wrong type, ``ValueError`` for a wrong value or combination, each naming the argument."""
+    kind = classify(reader)
+    a = check_each(kind, data_path, arguments)
+    check_rules(kind, data_path, a)
+    loads = load_options(reader, kind, load_fn=a["load_fn"], concurrency=a["concurrency"],
+                         ordered=a["ordered"], retries=a["retries"], on_error=a["on_error"])
+    check_load_rules(kind, loads, a)
+    batch_sampler = a["batch_sampler"]
+    if a["sampler"] is not None:
+        # torch's auto-batching, and the path a user's batch sampler takes (planned when its
+        # epoch starts, never split again across ranks): no second planner.
+        batch_sampler = torch.utils.data.BatchSampler(a["sampler"], a["batch_size"],
+                                                      a["drop_last"])
+    batching = Batching(
+        batch_size=a["batch_size"], drop_last=a["drop_last"], shuffle=a["shuffle"],
+        batch_sampler=batch_sampler, sampler=a["sampler"],
+        batches_per_epoch=a["batches_per_epoch"],
+        max_instances_in_memory=a["max_instances_in_memory"], even_batches=a["even_batches"])
+    workers = Workers(
+        num_workers=a["num_workers"], worker_type=a["worker_type"],
+        start_method=a["start_method"], nice=a["worker_nice"], prefetch=a["prefetch"],
+        slots=_slots(a["prefetch"], a["batch_size"], kind, loads), zero_copy=a["zero_copy"],
+        max_restarts=a["max_worker_restarts"], max_batches=a["max_batches_per_worker"],
+        max_rss=a["max_worker_rss"], init_fn=a["worker_init_fn"],
+        persistent=a["persistent_workers"], progress=a["timeout"] is not None)
+    output = Output(device=a["device"], pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
+                    quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
+    given = Given(
+        seed=a["seed"], load_fn=a["load_fn"],
+        concurrency=loads.concurrency if loads is not None else None, ordered=a["ordered"],
+        retries=a["retries"], on_error=a["on_error"], prefetch_factor=a["prefetch_factor"],
+        generator=a["generator"], in_order=a["in_order"],
+        multiprocessing_context=a["multiprocessing_context"], pin_memory=a["pin_memory"],
+        pin_memory_device=a["pin_memory_device"])
+    topo = topology(a["even_batches"])
+    return LoaderConfig(
+        source=reader, kind=kind, data_path=data_path, collate_fn=a["collate_fn"],
+        batching=batching, workers=workers, loads=loads, output=output, given=given,
+        seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
+
+
+def _slots(prefetch: int, batch_size: int | None, kind: Kind, loads: LoadOptions | None) -> int:
+    """Batches in flight per worker: with a load stage over index batches, enough of them
+    that ``concurrency`` loads can be in flight across them."""
+    if loads is None or kind is not Kind.MAP:
+        return prefetch
+    return max(prefetch, -(-loads.concurrency // (batch_size or 1)) + 1)
+
+
+def _base_seed(seed: int | None, generator: torch.Generator | None, topo: Topology) -> int:
+    if seed is not None:
+        return seed
+    if generator is not None:
+        # torch's base seed: one draw from the user's generator.
+        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    # Ranks must agree on one shuffle; like DistributedSampler, default to seed 0.
+    return 0 if topo.distributed else random.SystemRandom().getrandbits(63)
+
+
+def _can_pin(device: str) -> bool:
+    """torch's rule for ``pin_memory=True``: without an accelerator it warns and pins
+    nothing (the batches are still good); ``pin_memory_device`` is deprecated there and
+    ignored with a warning, here too."""
+    if device:
+        warnings.warn(f"pin_memory_device is deprecated in torch, and ignored here: batches "
+                      f"are pinned for the current accelerator (not {device!r})",
+                      stacklevel=4)
+    if can_pin():
+        return True
+    warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then "
+                  "device pinned memory won't be used.", stacklevel=4)
+    return False
+
+
+T = TypeVar("T")
+
+
+class Option(Generic[T]):
+    """A loader's option as a read-only attribute, read from its config (``path``).
+
+    Options are fixed when the loader is built: its workers, plans and timers were made
+    from them, so a change afterwards would take effect in some places and not in others
+    (``loader.timeout = 5`` on a loader built without one armed the consumer's timer while
+    the workers sent no progress: a slow reader timed out falsely, issue 20).
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path.split(".")
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Option[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+
+    def __get__(self, obj: object | None, owner: type) -> T | Option[T]:
+        if obj is None:
+            return self
+        value: Any = obj.config  # type: ignore[attr-defined]
+        for part in self._path:
+            value = getattr(value, part)
+        return value  # type: ignore[no-any-return]
+
+    def __set__(self, obj: object, value: object) -> None:
+        raise fixed(self._name, value)
+
+
+def fixed(name: str, value: object) -> AttributeError:
+    return AttributeError(
+        f"DataLoader.{name} is fixed when the loader is built (its workers, plans and "
+        f"timers were made from it): build a new DataLoader(..., {name}={value!r})")

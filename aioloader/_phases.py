@@ -1,0 +1,336 @@
+"""A worker's phases: the supervisor's bookkeeping as pure, synchronous transitions.
+
+Each worker is one :class:`WorkerState` whose lifecycle is one :class:`Phase`. A
+:class:`Roster` holds a supervisor's workers and changes their phases on events (a wire
+message, an exit, a consumer's request, a switch or restart done) and answers with what to do:
+an action, a small frozen dataclass (:class:`StartSuccessor`, :class:`Switch`, :class:`Raise`,
+:class:`Deliver`, :class:`EndPass`, :class:`Wait`, :class:`CountDeath`). The supervisor
+(aioloader/_supervisor.py) executes the actions and does all the awaiting and I/O around
+them, as httpcore's connection pool does. Nothing here touches a socket, a process or a loop,
+so every transition is tested in-process (tests/test_supervisor_unit.py)::
+
+    STARTING ──started──> RUNNING ──Retiring──> RETIRING ──hand-over──> HANDED_OVER
+                             │  └──Failed──> FAILED ──exit──> EXITED       │ drained:
+                             └──exit: a death──> LOST ──restart──┐         │ switch
+                                        (budget spent: EXITED)   ▼         ▼
+                              close (any phase) ──────────────> RETIRED ──reaped──> REAPED
+
+A worker's link (its socket, ledger, process) is the supervisor's: ``WorkerState`` carries it
+as ``link`` without looking at it. The pipe's EOF is a fact of the link, not a phase: it
+can come before the process's exit is seen or after (what the exit means is the phase's).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeAlias, TypeVar
+
+from . import _wire as wire
+from ._errors import LoaderClosedError, WorkerDied, WorkerError
+
+
+class WorkerLost(Exception):
+    """Worker ``worker_id`` died and may be restarted: its producer restarts it from the
+    position of the last batch the consumer took (never seen by users)."""
+
+    def __init__(self, worker_id: int) -> None:
+        super().__init__(f"worker {worker_id} died")
+        self.worker_id = worker_id
+
+
+@dataclass
+class RestartBudget:
+    """A loader's ``max_worker_restarts``, across its sessions, and the deaths so far."""
+
+    limit: int = 0
+    deaths: list[WorkerDied] = field(default_factory=list)
+    recycles: int = 0  # workers retired on purpose (max_batches_per_worker, max_worker_rss)
+    restarts: int = 0  # deaths healed
+
+    def spend(self, died: WorkerDied) -> WorkerDied | None:
+        """Count ``died``: None when it may be healed, else the error that ends the run."""
+        self.deaths.append(died)
+        if len(self.deaths) <= self.limit:
+            return None
+        if self.limit == 0:
+            return died
+        earlier = "; ".join(str(d) for d in self.deaths[:-1])
+        return WorkerDied(died.worker_id or 0, died.pid, died.exitcode,
+                          f"max_worker_restarts={self.limit} were spent on earlier deaths: "
+                          f"{earlier}", earlier=self.deaths[:-1])
+
+
+class Phase(enum.Enum):
+    """Where one worker is in its life (see the module docstring)."""
+
+    STARTING = "starting"  # its start is submitted to the starter thread; not in place yet
+    RUNNING = "running"
+    RETIRING = "retiring"  # it said Retiring: its successor starts, or waits its turn
+    HANDED_OVER = "handed over"  # new work goes to its successor; what it sent comes first
+    FAILED = "failed"  # it raised: the error waits in its inbox; its exit is no death
+    LOST = "lost"  # it died without a word, within the budget: to be restarted
+    EXITED = "exited"  # its process ended, and nobody heals that (it failed, or we stop)
+    RETIRED = "retired"  # let go (replaced, or the supervisor closed): reaped later
+    REAPED = "reaped"  # joined and closed
+
+
+# Phases whose process may still end on its own: its exit is news.
+ALIVE = frozenset({Phase.STARTING, Phase.RUNNING, Phase.RETIRING, Phase.HANDED_OVER,
+                   Phase.FAILED})
+
+# What a worker sent, in its order; its exception takes the place of the batch it failed on.
+Inbound: TypeAlias = wire.Batch | wire.PassEnd | wire.Retiring | WorkerError
+
+L = TypeVar("L")
+
+
+@dataclass(eq=False)
+class WorkerState(Generic[L]):
+    """The parent's view of one worker: its phase, what it sent, what it owes, telemetry."""
+
+    id: int
+    link: L  # the supervisor's: socket, ledger, process
+    phase: Phase = Phase.STARTING
+    inbox: collections.deque[Inbound] = field(default_factory=collections.deque)
+    sent: dict[int, list[int]] = field(default_factory=dict)  # index tasks not yet taken
+    retiring: wire.Retiring | None = None  # what it said when it began to retire
+    successor: WorkerState[L] | None = None  # started ahead of the hand-over
+    died: WorkerDied | None = None  # how it died (LOST)
+    born: float = field(default_factory=time.monotonic)
+    last: float = 0.0  # when its latest batch was handed over
+    batches: int = 0  # handed to the consumer (telemetry)
+    busy: float = 0.0  # seconds the worker spent working, as it last said
+
+    @property
+    def deferred(self) -> bool:
+        """Retiring, its successor not started: one hand-over at a time."""
+        return (self.phase in (Phase.RETIRING, Phase.HANDED_OVER) and self.successor is None
+                and self.retiring is not None)
+
+    def took(self, msg: wire.Batch) -> None:
+        """The consumer took batch ``msg``."""
+        self.sent.pop(msg.seq, None)
+        self.batches += 1
+        self.busy = msg.busy
+        self.last = time.monotonic()
+
+
+# ---------------------------------------------------------------------- actions
+
+@dataclass(frozen=True, slots=True)
+class StartSuccessor:
+    """Start worker ``worker_id``'s successor: from ``position`` (a stream's ShardPosition
+    as data), or, for index batches (None), a worker that gets the tasks not answered."""
+
+    worker_id: int
+    position: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """Wait for worker ``worker_id``'s successor to be up, then put it in its place
+    (:meth:`Roster.switched`)."""
+
+    worker_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Raise:
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Take batch ``msg`` from the ledger and hand it to the consumer."""
+
+    msg: wire.Batch
+
+
+@dataclass(frozen=True, slots=True)
+class EndPass:
+    msg: wire.PassEnd
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing to hand over yet: wait for the next event."""
+
+
+@dataclass(frozen=True, slots=True)
+class CountDeath:
+    """Worker ``worker_id`` died without a word: find its exit code, then
+    :meth:`Roster.on_death`."""
+
+    worker_id: int
+
+
+Action: TypeAlias = Raise | Deliver | EndPass | StartSuccessor | Switch | Wait
+
+
+# ---------------------------------------------------------------------- transitions
+
+class Roster(Generic[L]):
+    """A supervisor's workers and their transitions; synchronous, no I/O."""
+
+    def __init__(self, budget: RestartBudget) -> None:
+        self.budget = budget
+        self.workers: list[WorkerState[L]] = []
+        self.failure: BaseException | None = None  # the session's first
+        self.closed = False
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+    def started(self, w: WorkerState[L]) -> None:
+        """``w``'s start is done and it is in place."""
+        if w.phase is Phase.STARTING and not self.closed:
+            w.phase = Phase.RUNNING
+
+    # ------------------------------------------------------------------ the worker's side
+
+    def on_message(self, w: WorkerState[L], msg: Inbound) -> StartSuccessor | None:
+        """``w`` sent ``msg`` (a Failed message as the WorkerError it raises)."""
+        if isinstance(msg, WorkerError):
+            # Raised when the consumer asks this worker for its next item, after the batches
+            # it sent before and those of the workers due first, as torch does (issue 19).
+            if w.phase in ALIVE:
+                w.phase = Phase.FAILED
+            w.inbox.append(msg)
+            return None
+        if not isinstance(msg, wire.Retiring):
+            w.inbox.append(msg)
+            return None
+        # Due for recycling: its successor starts now, ahead of the hand-over, so that the
+        # consumer takes w's last batches while the new process starts.
+        if w.phase not in (Phase.STARTING, Phase.RUNNING) or self.closed:
+            return None
+        w.phase = Phase.RETIRING
+        w.retiring = msg
+        if msg.position is not None:
+            w.inbox.append(msg)  # the hand-over, after the batches sent before it
+        # (index batches: the worker answers no more tasks; they wait for its successor)
+        if any(x.successor is not None for x in self.workers):
+            return None  # deferred: one hand-over at a time, unless the consumer needs it
+        return self._start_successor(w)
+
+    def _start_successor(self, w: WorkerState[L]) -> StartSuccessor:
+        assert w.retiring is not None
+        if w.retiring.position is None:  # index batches: new tasks go to the successor now
+            w.phase = Phase.HANDED_OVER
+        self.budget.recycles += 1
+        return StartSuccessor(w.id, w.retiring.position)
+
+    def add_successor(self, w: WorkerState[L], new: WorkerState[L]) -> None:
+        """``new``, submitted for starting, is ``w``'s successor (:class:`StartSuccessor`)."""
+        w.successor = new
+
+    def on_exit(self, w: WorkerState[L]) -> CountDeath | None:
+        """``w``'s process ended (what it sent before is read): a death to count, or none
+        where it failed first, or the session failed or closed."""
+        if w.phase not in ALIVE:
+            return None
+        death = self.failure is None and w.phase is not Phase.FAILED and not self.closed
+        w.phase = Phase.EXITED
+        return CountDeath(w.id) if death else None
+
+    def on_death(self, w: WorkerState[L], died: WorkerDied) -> None:
+        """Spend a death on ``died``: ``w`` is lost (a restart heals it), or the run fails."""
+        fatal = self.budget.spend(died)
+        if fatal is not None:
+            self.fail(fatal)
+        else:
+            w.phase = Phase.LOST
+            w.died = died
+
+    # ------------------------------------------------------------------ the consumer's side
+
+    def request(self, worker_id: int, seq: int, indices: list[int]) -> bool:
+        """The consumer asks worker ``worker_id`` for batch ``seq``: True to send it now.
+        A worker handed over answers no more: its successor gets every task it did not
+        answer, in order, when it takes over."""
+        w = self.workers[worker_id]
+        w.sent[seq] = indices
+        return w.phase is not Phase.HANDED_OVER
+
+    def next_step(self, worker_id: int) -> Action:
+        """What to do for the consumer, who wants worker ``worker_id``'s next item."""
+        w = self.workers[worker_id]
+        while True:
+            if self.failure is not None:
+                return Raise(self.failure)
+            if self.closed:
+                return Raise(LoaderClosedError("the loader was closed"))
+            if not w.inbox:
+                break
+            msg = w.inbox.popleft()
+            if isinstance(msg, WorkerError):
+                self.fail(msg)
+                return Raise(msg)
+            if isinstance(msg, wire.Retiring):  # a stream's batches before it are taken
+                if w.phase is Phase.RETIRING:
+                    w.phase = Phase.HANDED_OVER
+                continue
+            if isinstance(msg, wire.PassEnd):
+                return EndPass(msg)
+            return Deliver(msg)
+        if w.phase is Phase.LOST:  # what it sent before dying was taken first
+            return Raise(WorkerLost(worker_id))
+        if w.deferred and (w.phase is Phase.HANDED_OVER or w.sent):
+            return self._start_successor(w)  # the consumer needs this one now: no waiting
+        if w.successor is not None and w.phase is Phase.HANDED_OVER:
+            return Switch(worker_id)
+        return Wait()
+
+    def switched(self, worker_id: int) -> StartSuccessor | None:
+        """Worker ``worker_id``'s successor is up: it takes the retiring one's place (and
+        the tasks it did not answer, in order); the next hand-over that waited may start."""
+        old = self.workers[worker_id]
+        new = old.successor
+        assert new is not None
+        old.successor = None
+        self.workers[worker_id] = new
+        new.sent = old.sent
+        old.phase = Phase.RETIRED
+        if self.closed:
+            return None
+        self.started(new)
+        for waiting in self.workers:
+            if waiting.deferred:
+                return self._start_successor(waiting)
+        return None
+
+    def restart(self, worker_id: int,
+                new: WorkerState[L]) -> tuple[WorkerDied, list[WorkerState[L]]]:
+        """Worker ``worker_id`` (LOST) is replaced by ``new``, with the same shard and seeds:
+        how the old one died, and the workers whose links to close (:meth:`retire`)."""
+        old = self.workers[worker_id]
+        assert old.phase is Phase.LOST and old.died is not None, \
+            f"worker {worker_id} is not lost"
+        self.workers[worker_id] = new
+        self.budget.restarts += 1
+        return old.died, self.retire(old)
+
+    def retire(self, w: WorkerState[L]) -> list[WorkerState[L]]:
+        """Let ``w`` go, and its successor with it (it was retiring when it died): the
+        workers whose links to close."""
+        gone = [w]
+        while (after := gone[-1].successor) is not None:
+            gone[-1].successor = None
+            gone.append(after)
+        for x in gone:
+            x.phase = Phase.RETIRED
+        return gone
+
+    def close(self) -> list[WorkerState[L]] | None:
+        """Close: every worker goes (EOF), successors included; None if closed already."""
+        if self.closed:
+            return None
+        self.closed = True
+        everyone = [*self.workers, *(w.successor for w in self.workers if w.successor)]
+        for w in everyone:
+            w.phase = Phase.RETIRED
+        return everyone

@@ -1,0 +1,217 @@
+"""In-process tests of the middle: a Session over a fake producer, and a Run's phases.
+
+No worker process and no DataLoader face: the session is driven with a producer whose steps
+the test hands it, and the run with an in-process (num_workers=0) config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import aioloader
+from aioloader import LoaderClosedError, LoaderTimeoutError
+from aioloader._run import Phase, Run
+from aioloader._session import Delivered, PassDone, Session, State, Step
+from aioloader._stats import NO_ARENA, ArenaStats, WorkerStats
+
+
+class FakeProducer:
+    """A producer whose steps come from the test (``put``), and which records its life."""
+
+    def __init__(self, *, fail_start: BaseException | None = None) -> None:
+        self.steps: asyncio.Queue[Step] = asyncio.Queue()
+        self.fail_start = fail_start
+        self.activity = time.monotonic()
+        self.events: list[str] = []
+        self.closed_with: float | None = None
+
+    async def start(self) -> None:
+        self.events.append("start")
+        if self.fail_start is not None:
+            raise self.fail_start
+
+    async def next(self) -> Step:
+        return await self.steps.get()
+
+    def behind(self) -> str:
+        return "the fake producer"
+
+    def last_activity(self) -> float:
+        return self.activity
+
+    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
+        return (), NO_ARENA
+
+    def attach(self, private: bool) -> None:
+        self.events.append("attach")
+
+    def detach(self) -> None:
+        self.events.append("detach")
+
+    async def aclose(self, grace: float) -> None:
+        self.events.append("aclose")
+        self.closed_with = grace
+
+    def close(self, grace: float) -> None:
+        self.events.append("close")
+        self.closed_with = grace
+
+
+async def started(producer: FakeProducer) -> Session:
+    session = Session(producer)
+    await session.start()
+    session.attach()
+    return session
+
+
+async def test_steps_come_in_order_and_the_session_is_idle_between_them() -> None:
+    producer = FakeProducer()
+    session = await started(producer)
+    assert session.state is State.IDLE
+    for step in (Delivered("a"), Delivered("b"), PassDone(empty=False)):
+        producer.steps.put_nowait(step)
+    assert [await session.next(), await session.next(), await session.next()] == [
+        Delivered("a"), Delivered("b"), PassDone(empty=False)]
+    assert session.state is State.IDLE
+    await session.aclose(0.5)
+    assert session.state is State.CLOSED and producer.closed_with == 0.5
+    with pytest.raises(LoaderClosedError):
+        await session.next()
+
+
+async def test_a_close_from_another_thread_wakes_the_waiting_consumer() -> None:
+    producer = FakeProducer()
+    session = await started(producer)
+    consumer = asyncio.ensure_future(session.next())
+    await asyncio.sleep(0)  # the consumer is inside next(), waiting for a step
+    assert session.state is State.RUNNING
+    closer = threading.Thread(target=session.close, args=(0.0,))
+    closer.start()
+    with pytest.raises(LoaderClosedError, match="another task or thread"):
+        await asyncio.wait_for(consumer, 30)
+    await asyncio.to_thread(closer.join)
+    assert session.closed and producer.events[-1] == "close"
+
+
+async def test_silence_past_the_timeout_names_what_it_waits_for() -> None:
+    producer = FakeProducer()
+    session = await started(producer)
+    with pytest.raises(LoaderTimeoutError, match="the fake producer"):
+        await asyncio.wait_for(session.next(timeout=0.05), 30)
+    assert session.state is State.IDLE  # a timeout ends the wait, not the session
+    producer.steps.put_nowait(Delivered(1))
+    assert await session.next(timeout=30) == Delivered(1)
+    await session.aclose(0.0)
+
+
+async def test_the_consumers_own_cancel_stays_a_cancel() -> None:
+    session = await started(FakeProducer())
+    consumer = asyncio.ensure_future(session.next())
+    await asyncio.sleep(0)
+    consumer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    assert not session.closed
+    await session.aclose(0.0)
+
+
+async def test_a_failed_start_closes_the_producer_without_grace() -> None:
+    producer = FakeProducer(fail_start=OSError("no room"))
+    session = Session(producer)
+    with pytest.raises(OSError, match="no room"):
+        await session.start()
+    assert session.state is State.CLOSED and producer.closed_with == 0.0
+
+
+# ------------------------------------------------------------------ the run's phases
+
+
+class Token:
+    """An epoch, as the run sees one."""
+
+    def __init__(self) -> None:
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+
+def make_run(**options: Any) -> Run:
+    loader = aioloader.DataLoader(list(range(6)), batch_size=2, quiet=True, seed=3, **options)
+    return Run(loader.config)
+
+
+async def epoch_values(run: Run, token: Token) -> list[list[int]]:
+    session = await run.begin(token, private=False)
+    got = []
+    while (step := await run.next(session)) is not None:
+        got.append(step.value.tolist())
+    await run.end(token, session, stop=False)
+    return got
+
+
+async def test_a_complete_epoch_goes_idle_and_keeps_its_session() -> None:
+    run = make_run()
+    assert run.phase is Phase.IDLE
+    token = Token()
+    session = await run.begin(token, private=False)
+    assert run.phase is Phase.IN_EPOCH and run.is_current(token)
+    values = []
+    while (step := await run.next(session)) is not None:
+        values.append(step.value.tolist())
+    assert values == [[0, 1], [2, 3], [4, 5]]
+    await run.end(token, session, stop=False)
+    assert run.phase is Phase.IDLE and not run.in_epoch()
+    assert run.session_is(session) and not session.closed  # kept for the next epoch
+    await run.aclose()
+    assert run.phase is Phase.CLOSED and session.closed
+
+
+async def test_an_epoch_closed_after_its_last_batch_owes_its_pass_end() -> None:
+    run = make_run(shuffle=True)
+    first = Token()
+    session = await run.begin(first, private=False)
+    taken = [await run.next(session) for _ in range(3)]  # all of them, not the end
+    assert all(step is not None for step in taken)
+    await run.leave(first, session)
+    assert run.phase is Phase.PASS_OWED and not session.closed
+    second = await epoch_values(run, Token())  # takes the owed pass end first
+    assert run.phase is Phase.IDLE
+    again = make_run(shuffle=True)
+    await epoch_values(again, Token())
+    assert second == await epoch_values(again, Token())  # pass 1, as an uninterrupted run
+    await run.aclose()
+    await again.aclose()
+
+
+async def test_a_second_epoch_while_one_runs_is_refused() -> None:
+    run = make_run()
+    token = Token()
+    session = await run.begin(token, private=False)
+    assert await run.next(session) is not None
+    with pytest.raises(aioloader.LoaderBusyError):
+        await run.begin(Token(), private=False)
+    assert run.is_current(token) and not token.abandoned
+    await run.end(token, session, stop=True, grace=0.0)
+    assert session.closed and run.phase is Phase.IDLE
+    await run.aclose()
+
+
+async def test_a_close_from_another_thread_ends_the_epoch_in_progress() -> None:
+    run = make_run(batches_per_epoch=10**6)  # an epoch that never ends by itself
+    token = Token()
+    session = await run.begin(token, private=False)
+    assert await run.next(session) is not None
+    closer = threading.Thread(target=run.close)
+    closer.start()
+    with pytest.raises(LoaderClosedError):
+        while True:  # steps until the close reaches the session
+            await asyncio.wait_for(run.next(session), 30)
+    await asyncio.to_thread(closer.join)
+    await run.end(token, session, stop=True, grace=0.0)
+    assert run.phase is Phase.CLOSED and session.closed
