@@ -267,7 +267,7 @@ class WorkerInstances(_OnWorkers):
     def _position(self, w: int) -> ShardPosition:
         """Where worker ``w``'s shard stands after the instances received from it."""
         spec = self.sup.spec
-        index, count = shard_spec(spec.source, spec.kind, w, spec.num_workers, spec.rank,
+        index, count = shard_spec(spec.source, spec.kind, w, spec.workers.num_workers, spec.rank,
                                   spec.world_size)
         taken = self._taken[w]
         raw = index + (taken - 1) * count + 1 if taken else 0

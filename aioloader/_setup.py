@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._config import LoaderConfig
@@ -106,18 +106,15 @@ class Setup:
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
                     starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
         c, w = self.config, self.config.workers
+        if role == "instances":  # a cache-filling pass is read once: recycling is for epochs
+            w = replace(w, max_batches=None, max_rss=None)
         spec = WorkerSpec(
             source=source, kind=kind, data_path=c.data_path, plan=role,
-            options=c.batching.options, collate_fn=c.collate_fn, worker_id=0,
-            num_workers=w.num_workers, rank=c.topo.rank, world_size=c.topo.world_size,
-            seed=self.seed, first_pass=first_pass, slots=w.slots,
+            options=c.batching.options, collate_fn=c.collate_fn, workers=w, worker_id=0,
+            rank=c.topo.rank, world_size=c.topo.world_size, seed=self.seed,
+            first_pass=first_pass,
             parent_pid=os.getpid() if w.start_method != "forkserver" else 0,
-            progress=w.progress, starts=starts,
-            # A cache-filling pass is read once: recycling is for the epochs' workers.
-            max_batches=w.max_batches if role != "instances" else None,
-            max_rss=w.max_rss if role != "instances" else None,
-            loads=self._loads_of(source), worker_init_fn=w.init_fn,
-            threaded=w.threaded, nice=w.nice)
+            starts=starts, loads=self._loads_of(source))
         return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,
                           budget=self.budget, skips=self.skips, standby=self.standby)
 

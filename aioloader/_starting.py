@@ -78,7 +78,6 @@ EXIT_GRACE = 1.0  # seconds a process told to go (EOF) gets before SIGTERM, wher
 KILL_AFTER = 1.0  # seconds from SIGTERM to SIGKILL (a thread: to giving up on it)
 
 # What a worker's spec carries of the user's: it must pickle for spawn and forkserver.
-SPEC_PARTS = ("source", "collate_fn", "options", "worker_init_fn")
 
 # Parent-side sockets of every live worker and standby. A process forked later (another
 # worker) must not hold them open, or a worker would never see EOF when its parent closes or
@@ -440,7 +439,7 @@ class StandbyPool:
     def start(self, parts: dict[str, Any]) -> None:
         """Spawn the standbys from the starter thread; returns at once.
 
-        ``parts`` (what the workers' spec will carry, by name: see ``SPEC_PARTS``) are
+        ``parts`` (what the workers' spec will carry, by name: ``WorkerSpec.parts()``) are
         pickled there first: if one cannot be, no standby starts, and the first epoch
         fails with SourcePicklingError before any process starts, as it would without them.
         """

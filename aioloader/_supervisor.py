@@ -49,7 +49,6 @@ from ._phases import (
 from ._position import ShardPosition
 from ._starting import (
     EXIT_GRACE,
-    SPEC_PARTS,
     Handle,
     Launch,
     Standby,
@@ -161,10 +160,9 @@ class Supervisor:
 
     def check_picklable(self) -> None:
         """With spawn/forkserver the spec travels pickled: fail before starting anything."""
-        if self.start_method == "fork" or self.spec.threaded:
+        if self.start_method == "fork" or self.spec.workers.threaded:
             return
-        check_picklable({name: getattr(self.spec, name) for name in SPEC_PARTS},
-                        self.start_method)
+        check_picklable(self.spec.parts(), self.start_method)
 
     async def start(self) -> None:
         """Start every worker; cancellation-safe.
@@ -205,13 +203,13 @@ class Supervisor:
             self._send_to(holder[0], wire.Release(slot))
 
         ledger: Ledger
-        if spec.threaded:
+        if spec.workers.threaded:
             shelf = Shelf()
-            ledger = RefLedger(self.spec.slots, release, shelf)
+            ledger = RefLedger(self.spec.workers.slots, release, shelf)
             thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{k}")
             launch = start_worker(thread, parent, child)
         else:
-            ledger = SlotLedger(self.spec.slots, release, lease=self.lease)
+            ledger = SlotLedger(self.spec.workers.slots, release, lease=self.lease)
             fresh = new_process(spec, child, self.start_method)
             launch = (start_worker(fresh, parent, child) if standby is None
                       else hand_off_worker(standby, spec, fresh, parent, child))

@@ -40,6 +40,7 @@ from . import _wire as wire
 from ._arena import ArenaMap, SlotFull, SlotWriter
 from ._codec import encode, tensors_nbytes
 from ._collate import route_torch_collate_into_arena, use_allocator
+from ._config import Workers
 from ._dataplane import RefPool, Shelf, SlotPool
 from ._info import WorkerInfo, set_worker_info
 from ._loads import ALL_SKIPPED, LoadOptions, LoadStage
@@ -55,7 +56,8 @@ _PROGRESS_FRAME = wire.encode(wire.Progress())
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs; pickled as is for spawn and forkserver."""
+    """Everything a worker needs; pickled as is for spawn and forkserver. ``workers`` is the
+    loader's config part of that name, as it is (limits, slots, niceness, worker_init_fn)."""
 
     source: Any
     kind: Kind
@@ -63,23 +65,20 @@ class WorkerSpec:
     plan: Plan
     options: BatchOptions
     collate_fn: Callable[[list[Any]], Any] | None
+    workers: Workers
     worker_id: int
-    num_workers: int
     rank: int
     world_size: int
     seed: int
     first_pass: int
-    slots: int
     parent_pid: int
-    progress: bool = False  # a timeout is set: say Progress while reading (it measures silence)
     starts: tuple[ShardPosition, ...] | None = None  # per worker: where a resumed stream starts
-    max_batches: int | None = None  # retire after this many batches (max_batches_per_worker)
-    max_rss: int | None = None  # retire past this resident size, in bytes (max_worker_rss)
     loads: LoadOptions | None = None  # the source yields keys; this stage loads them
-    # torch's worker_init_fn: called with the worker id once per process, after seeding
-    worker_init_fn: Callable[[int], object] | None = None
-    threaded: bool = False  # worker_type="thread": a thread of the main process
-    nice: int = 0  # worker_nice: added to the niceness the process starts with
+
+    def parts(self) -> dict[str, Any]:
+        """What spawn and forkserver pickle of the user's, by the names they were given."""
+        return {"source": self.source, "collate_fn": self.collate_fn, "options": self.options,
+                "worker_init_fn": self.workers.init_fn}
 
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
@@ -102,7 +101,7 @@ class WorkerSpec:
     def pipeline(self) -> Pipeline:
         """What this worker reads, and how it becomes batches."""
         return Pipeline(self.source, self.kind, self.data_path, self.options, self.collate_fn,
-                        self.loads, self.worker_id, self.num_workers, self.rank,
+                        self.loads, self.worker_id, self.workers.num_workers, self.rank,
                         self.world_size)
 
 
@@ -159,9 +158,9 @@ os.register_at_fork(before=_gc_off_before_fork, after_in_parent=_gc_back_in_pare
 
 def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """Entry point of a worker process."""
-    if spec.nice:
+    if spec.workers.nice:
         # Before any work: the consumer's process wins a core when workers fill them all.
-        os.nice(spec.nice)
+        os.nice(spec.workers.nice)
     # A child forked after the parent used torch's intra-op pool can deadlock on its first
     # parallel op (pytorch#17199); torch's own workers do the same.
     torch.set_num_threads(1)
@@ -248,8 +247,8 @@ class _Channel:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.frames = wire.FrameReader()
-        self.pool = (SlotPool(spec.slots, f"aioloader-w{spec.worker_id}") if shelf is None
-                     else RefPool(spec.slots, shelf))
+        self.pool = (SlotPool(spec.workers.slots, f"aioloader-w{spec.worker_id}") if shelf is None
+                     else RefPool(spec.workers.slots, shelf))
         self.tasks: collections.deque[wire.Task] = collections.deque()
         self.eof = False
         self.last_sent = self.started = time.monotonic()
@@ -404,7 +403,7 @@ class _Channel:
             return holding
         grown = self.pool.grow(needed, holding)
         try:
-            await self.send(wire.Arena(self.spec.slots, grown.slot_size), fds=[grown.fd])
+            await self.send(wire.Arena(self.spec.workers.slots, grown.slot_size), fds=[grown.fd])
         finally:
             os.close(grown.fd)
         return grown.slot
@@ -420,21 +419,21 @@ async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = Non
     ``shelf``: a thread worker's, for its batches and its exception, by reference.
     """
     chan = _Channel(spec, sock, shelf)
-    info = WorkerInfo(spec.num_workers, spec.worker_id, spec.seed_for(spec.first_pass),
+    info = WorkerInfo(spec.workers.num_workers, spec.worker_id, spec.seed_for(spec.first_pass),
                       spec.rank, spec.world_size)
-    set_worker_info(info, dataset=spec.source, thread=spec.threaded)
-    if not spec.threaded:  # a thread would reseed the user's own process
+    set_worker_info(info, dataset=spec.source, thread=spec.workers.threaded)
+    if not spec.workers.threaded:  # a thread would reseed the user's own process
         _seed_everything(info.seed)
     try:
-        if spec.worker_init_fn is not None:
+        if spec.workers.init_fn is not None:
             # As torch: after the seeds and worker info, before any data is read; in every
             # process that serves the spec (a restarted or recycled worker's too). Its
             # exception is the worker's, reported like any other.
-            spec.worker_init_fn(spec.worker_id)
+            spec.workers.init_fn(spec.worker_id)
         pipe = spec.pipeline()
         async with contextlib.AsyncExitStack() as stack:
             stage = None
-            if spec.loads is not None or spec.threaded:
+            if spec.loads is not None or spec.workers.threaded:
                 # Loads in flight (or a thread's async reader) wait on the network, not on
                 # us: EOF (a close) cancels them at once, rather than after the parent's
                 # grace period, past which a thread could only be cancelled anyway.
@@ -510,8 +509,8 @@ class _Retirement:
     private as Python's refcounts touch them: torch issue 13246)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        self.max_batches = spec.max_batches
-        self.max_rss = spec.max_rss
+        self.max_batches = spec.workers.max_batches
+        self.max_rss = spec.workers.max_rss
         self.batches = 0
 
     def batch_done(self) -> bool:
@@ -550,12 +549,13 @@ async def _run_stream(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
     pass_no = start.pass_no
     retire = _Retirement(spec)
     seeded = spec.seed_for(spec.first_pass)  # by _serve, before worker_init_fn ran
-    touch = chan.progress if spec.progress else None
+    touch = chan.progress if spec.workers.progress else None
     while True:
         seed = spec.seed_for(pass_no)
-        set_worker_info(WorkerInfo(spec.num_workers, spec.worker_id, seed, spec.rank,
-                                   spec.world_size), dataset=spec.source, thread=spec.threaded)
-        if seed != seeded and not spec.threaded:  # not again: worker_init_fn's seeding stays
+        threaded = spec.workers.threaded
+        set_worker_info(WorkerInfo(spec.workers.num_workers, spec.worker_id, seed, spec.rank,
+                                   spec.world_size), dataset=spec.source, thread=threaded)
+        if seed != seeded and not threaded:  # not again: worker_init_fn's seeding stays
             _seed_everything(seed)
         seeded = -1
         sent = 0
@@ -623,7 +623,7 @@ async def _run_index(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
         await _run_index_loaded(spec, pipe, chan, stage)
         return
     retire = _Retirement(spec)
-    touch = chan.progress if spec.progress else None
+    touch = chan.progress if spec.workers.progress else None
     while True:
         task = await chan.task()
         if task is None:

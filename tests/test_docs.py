@@ -60,7 +60,7 @@ def test_readme_opens_with_the_two_commands_ci_runs() -> None:
     assert len(first_block) == 2, first_block
     install, tests = first_block
     assert install.startswith("pip install torch==2.13.0 && ")
-    assert "-c constraints.txt" in tests and tests.endswith("python -m pytest")
+    assert "-c constraints.txt" in tests and tests.endswith("python -m pytest -n 2")
 
 
 def test_constraints_pin_every_extra_requirement() -> None:

@@ -12,6 +12,7 @@ import collections
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ import torch.utils.data._utils.worker as torch_worker
 import aioloader
 from aioloader import _wire as wire
 from aioloader._collate import TORCH_COLLATE_IN_THREADS
+from aioloader._config import Workers
 from aioloader._dataplane import Shelf
 from aioloader._info import TORCH_INFO_PER_THREAD, Patch, WorkerInfo, set_worker_info
 from aioloader._loads import ALL_SKIPPED, LoadOptions, Retry, SkipLog
@@ -322,13 +324,17 @@ class Parent:
         await asyncio.get_running_loop().sock_sendall(self.sock, wire.encode(msg))
 
 
-def spec_for(source: Any, kind: Kind, plan: str, **kw: Any) -> WorkerSpec:
-    fields: dict[str, Any] = dict(
-        source=source, kind=kind, data_path=None, plan=plan, options=options(),
-        collate_fn=list, worker_id=0, num_workers=1, rank=0, world_size=1, seed=5,
-        first_pass=0, slots=2, parent_pid=0, threaded=True)
-    fields.update(kw)
-    return WorkerSpec(**fields)
+def spec_for(source: Any, kind: Kind, plan: str, *, loads: Any = None,
+             **workers: Any) -> WorkerSpec:
+    """A thread worker's spec; ``workers``: fields of its config part to change."""
+    part = Workers(
+        num_workers=1, worker_type="thread", start_method="fork", nice=0, prefetch=2,
+        slots=2, zero_copy=True, max_restarts=0, max_batches=None, max_rss=None,
+        init_fn=None, persistent=True, progress=False)
+    return WorkerSpec(source=source, kind=kind, data_path=None, plan=plan,  # type: ignore[arg-type]
+                      options=options(), collate_fn=list, workers=replace(part, **workers),
+                      worker_id=0, rank=0, world_size=1, seed=5, first_pass=0, parent_pid=0,
+                      loads=loads)
 
 
 async def serving(spec: WorkerSpec,

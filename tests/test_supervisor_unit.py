@@ -234,13 +234,20 @@ def test_the_budget_names_the_earlier_deaths() -> None:
 # ---------------------------------------------------------------------- a real supervisor
 
 @dataclass(frozen=True)
+class FakeWorkers:
+    """What the supervisor reads of a spec's config part."""
+
+    num_workers: int = 2
+    slots: int = 2
+    threaded: bool = True
+
+
+@dataclass(frozen=True)
 class FakeSpec:
     """What the supervisor reads of a thread worker's spec."""
 
     worker_id: int = 0
-    num_workers: int = 2
-    slots: int = 2
-    threaded: bool = True
+    workers: FakeWorkers = FakeWorkers()
 
     def for_worker(self, k: int) -> FakeSpec:
         return replace(self, worker_id=k)
