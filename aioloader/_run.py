@@ -94,6 +94,12 @@ class Run:
         self.meter = Meter()
         self.next_log = 0.0  # log_every: when the next stats line is due
         self.phase = Phase.IDLE
+        # What each batch asks of the config, read once: the epoch's length, the timeout,
+        # and whether ranks agree batch by batch (streams have no length: with even_batches)
+        b, topo = config.batching, config.topo
+        agree = (topo.distributed and b.even_batches and b.batches_per_epoch is None
+                 and config.lazy)
+        self._per_batch = (b.batches_per_epoch, config.output.timeout, agree)
         self.cache: CachedInstances | None = None
         self._lock = threading.Lock()
         self._epoch: weakref.ref[EpochHandle] | None = None  # the epoch in progress
@@ -193,11 +199,10 @@ class Run:
 
     async def next(self, session: Session) -> Delivered | None:
         """The epoch's next batch, counted as handed over; None at the epoch's end."""
-        c = self.config
-        limit, timeout = c.batching.batches_per_epoch, c.output.timeout
+        limit, timeout, agree = self._per_batch
         while limit is None or self._produced < limit:
             step = await session.next(timeout)
-            if self._agree_each_batch() and not await self._all_have(step):
+            if agree and not await self._all_have(step):
                 while not isinstance(step, PassDone):  # the others are done: skip ours
                     step = await session.next(timeout)
                 self._pass_done()
@@ -280,11 +285,6 @@ class Run:
         self._session_pass += 1
         self._cursor.pass_done()
 
-    def _agree_each_batch(self) -> bool:
-        """Streams have no length: with even_batches, ranks agree batch by batch."""
-        c = self.config
-        return (c.topo.distributed and c.batching.even_batches
-                and c.batching.batches_per_epoch is None and c.lazy)
 
     async def _all_have(self, step: Step) -> bool:
         have = 0 if isinstance(step, PassDone) else 1
