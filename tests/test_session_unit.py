@@ -215,3 +215,49 @@ async def test_a_close_from_another_thread_ends_the_epoch_in_progress() -> None:
     await asyncio.to_thread(closer.join)
     await run.end(token, session, stop=True, grace=0.0)
     assert run.phase is Phase.CLOSED and session.closed
+
+
+def epoch_of(loader: aioloader.DataLoader) -> list[list[int]]:
+    return [b.tolist() for b in loader]
+
+
+def fresh(epoch: int) -> list[list[int]]:
+    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+                                  quiet=True)
+    loader.set_epoch(epoch)
+    with loader:
+        return epoch_of(loader)
+
+
+def owing(loader: aioloader.DataLoader) -> None:
+    """Take all of an epoch's batches and close it without asking for its end (as
+    Lightning and zip() do): its pass end is owed."""
+    it = iter(loader)
+    assert [next(it).tolist() for _ in range(3)] == fresh(0)
+    it.close()  # type: ignore[attr-defined]
+
+
+def test_a_close_with_a_pass_end_owed_then_set_epoch_counts_the_pass_once() -> None:
+    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+                                  quiet=True)
+    owing(loader)
+    loader.close()
+    loader.set_epoch(1)  # Lightning's call before the next epoch
+    with loader:
+        assert epoch_of(loader) == fresh(1)
+
+
+def test_a_loaded_state_is_where_the_next_epoch_starts_even_with_a_pass_end_owed() -> None:
+    source = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+                                  quiet=True)
+    with source:
+        it = iter(source)
+        next(it)
+        state = source.state_dict()  # after epoch 0's first batch
+        it.close()  # type: ignore[attr-defined]
+    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+                                  quiet=True)
+    owing(loader)
+    loader.load_state_dict(state)
+    with loader:
+        assert epoch_of(loader) == fresh(0)[1:]
