@@ -44,11 +44,12 @@ class DataLoader:
     cannot be killed). With the GIL, processes won or tied on throughput in every workload
     measured (docs/performance.md).
 
-    ``worker_nice`` (0 to 19, default 0) lowers the worker processes' CPU priority (``os.nice``
-    in each): where they keep every core busy, the consumer gets a core as soon as it wakes
-    (on 2 cores with 2 busy workers, 19 took a 1 ms ticker's p99 lag from 3-4 ms to about
-    1.1 ms at the same throughput); they then also yield to every other process of the
-    machine (docs/performance.md).
+    ``worker_nice`` (0 to 19) lowers the worker processes' CPU priority (``os.nice`` in each):
+    where they keep every core busy, the consumer gets a core as soon as it wakes. Left unset
+    (None), it is 19 when worker processes are as many as the cores this process may run on
+    (``os.sched_getaffinity``), and 0 otherwise; ``worker_nice=0`` keeps them at your
+    priority whatever their number. Nicer workers also yield to every other process of the
+    machine (docs/performance.md). ``loader.worker_nice`` says what was chosen.
 
     ``quiet=None`` (the default) follows tqdm's convention: a progress bar for each epoch
     (and for reading a reader into its cache) when stderr is a terminal or in a Jupyter
@@ -84,7 +85,7 @@ class DataLoader:
         max_instances_in_memory: int | None = None,
         start_method: str = "fork",
         worker_type: str = "process",
-        worker_nice: int = 0,
+        worker_nice: int | None = None,
         cuda_device: DeviceLike | None = None,
         quiet: bool | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,

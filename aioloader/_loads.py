@@ -16,7 +16,9 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import errno
+import functools
 import inspect
 import logging
 import random
@@ -258,7 +260,7 @@ class LoadStage:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     self.options.concurrency, thread_name_prefix="aioloader-load",
-                    initializer=torch.set_num_threads, initargs=(1,))
+                    initializer=ops_on_this_thread)
             result = await loop.run_in_executor(self._pool, fn, key)
             if inspect.isawaitable(result):  # a plain function that returned a coroutine
                 return await result
@@ -393,3 +395,39 @@ class SkipLog:
         log.warning("on_error='skip': skipped key %r in %s after %d attempt(s): %s "
                     "(%d skipped so far; loader.skipped lists them)", skipped.key, where,
                     skipped.attempts, skipped.error, len(self.skipped))
+
+
+def ops_on_this_thread() -> None:
+    """A load thread's torch ops run on that thread alone; every other thread keeps its
+    count (issue 23).
+
+    ``torch.set_num_threads`` is not used: besides this thread's OpenMP count it stores the
+    count process-wide, where any thread that has run no parallel op yet (a new one, or the
+    main thread early in a script, running a collate meanwhile) picks it up, so a main thread
+    trained on one thread after an epoch with a load stage. OpenMP's own
+    ``omp_set_num_threads`` changes only the calling thread's count; torch's lazy set-up of
+    this thread runs first (``get_num_threads``), or it would reset the count at the first
+    op. Without OpenMP (torch's native pool: one count for the process) nothing changes.
+    """
+    setter = _omp_set_num_threads()
+    if setter is None:
+        return
+    torch.get_num_threads()  # torch sets this thread up now, not at its first op
+    setter(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """The OpenMP runtime's ``omp_set_num_threads`` that torch loaded, if any."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    except OSError:  # not Linux
+        return None
+    for path in sorted(paths):
+        with contextlib.suppress(OSError, AttributeError):
+            setter: Callable[[int], None] = ctypes.CDLL(path).omp_set_num_threads
+            return setter
+    return None

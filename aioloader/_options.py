@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import os
 import reprlib
 from typing import Any
 
@@ -18,6 +19,7 @@ from ._sources import Kind
 START_METHODS = ("fork", "spawn", "forkserver")
 WORKER_TYPES = ("process", "thread")
 DEFAULT_PREFETCH = 4
+FULL_NICE = 19  # worker_nice's default where worker processes fill every core (issue 23)
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -128,16 +130,31 @@ def check_load_rules(kind: Kind, loads: LoadOptions | None, a: dict[str, Any]) -
 
 
 def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> int:
-    """``worker_nice`` as an int from 0 to 19, for a loader that has worker processes."""
+    """``worker_nice`` as an int from 0 to 19, for a loader that has worker processes.
+
+    None (the default) is :data:`FULL_NICE` where the worker processes are as many as the
+    cores this process may run on, so that they can keep every core busy and the consumer
+    would wait for one each time it wakes, and 0 otherwise; an explicit 0 stays 0.
+    """
+    if nice is None:
+        fills = worker_type == "process" and num_workers >= usable_cores()
+        return FULL_NICE if fills else 0
     checked = _int("worker_nice", nice, "an int from 0 to 19 (added to each worker process's "
-                   "niceness with os.nice)", least=0, most=19)
+                   "niceness with os.nice), or None", least=0, most=19)
     if checked and (num_workers == 0 or worker_type == "thread"):
         raise ValueError(
             f"worker_nice={checked} applies to worker processes, and this loader has none "
             f"({'num_workers=0' if num_workers == 0 else 'worker_type=' + repr(worker_type)}"
             "): its work runs in this process, at this process's priority. Leave "
-            "worker_nice=0, or use worker processes")
+            "worker_nice unset, or use worker processes")
     return checked
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, as taskset and Slurm set it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 # ---------------------------------------------------------------- one argument

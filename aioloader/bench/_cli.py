@@ -121,10 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"batches), each streaming at least {LAG_MIN_S:g} s; adds lag "
                         "p50/p99/max rows. Separate runs: the throughput rows are measured "
                         "without the ticker")
-    parser.add_argument("--worker-nice", type=_at_least(0), default=0, metavar="N",
+    parser.add_argument("--worker-nice", type=_at_least(0), default=None, metavar="N",
                         help="aioloader's worker_nice (0-19): its worker processes run N "
                         "nicer than the consumer's; the peers' workers are left as they are "
-                        "(default 0)")
+                        "(default: the loader's own, 19 when the workers are as many as the "
+                        "usable cores, else 0)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing "
@@ -163,9 +164,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             import uvloop  # noqa: F401
         except ImportError:
             parser.error("--loop uvloop: uvloop is not installed")
-    try:  # the loader's own rule, before any run starts
-        validate_worker_nice(args.worker_nice, num_workers=args.num_workers,
-                             worker_type="process")
+    try:  # the loader's own rule, before any run starts; what the default comes to
+        nice = validate_worker_nice(args.worker_nice, num_workers=args.num_workers,
+                                    worker_type="process")
     except ValueError as exc:
         parser.error(f"--worker-nice {args.worker_nice}: {exc}")
     batches = default_batches(args.quick)
@@ -191,7 +192,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"start_method={plan.start_method}, face={plan.face}, loop={plan.loop}, "
               f"pairs={plan.pairs}, collate={plan.collate}"
               + (f", lag runs >= {plan.lag_min_s:g} s (async for)" if plan.lag else "")
-              + (f", aioloader worker_nice={plan.worker_nice}" if plan.worker_nice else "")
+              + (f", aioloader worker_nice={nice}" if nice else "")
+              + (" (its default)" if nice and plan.worker_nice is None else "")
               + (f", peers: {', '.join(peers)}" if args.peers else "")
               + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        "loop": plan.loop, "workloads": list(args.workloads),
                        "peers": list(plan.peers), "collate": plan.collate,
                        "lag": plan.lag, "lag_min_s": plan.lag_min_s,
-                       "worker_nice": plan.worker_nice},
+                       "worker_nice": nice},
             "machine": machine,
             "workloads": raw,
             # --quick judges nothing: its targets carry "passed": null

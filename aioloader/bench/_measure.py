@@ -55,7 +55,8 @@ class Spec:
     loop: LoopName = "asyncio"
     collate: CollateChoice = "none"
     min_s: float = 0.0  # lag runs: stream at least this long
-    worker_nice: int = 0  # aioloader's worker_nice (--worker-nice); the peers run as they are
+    worker_nice: int | None = None  # aioloader's (--worker-nice; None: its default); the
+    # peers run as they are
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -46,7 +46,8 @@ class Plan:
     collate: CollateChoice = "none"
     lag: bool = False  # also a 1 ms ticker's lag beside each throughput workload (--lag)
     lag_min_s: float = LAG_MIN_S
-    worker_nice: int = 0  # aioloader's worker processes only (--worker-nice)
+    worker_nice: int | None = None  # aioloader's worker processes only (--worker-nice);
+    # None: the loader's default
 
 
 def isolated(spec: Spec, timeout: float) -> Result:

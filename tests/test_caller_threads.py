@@ -1,0 +1,128 @@
+"""``num_workers=0`` through ``async for`` (issue 23): the loader's fetch thread leaves the
+caller's torch threads as they were: the loop's thread, a thread started later, and the
+training step's speed."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+import aioloader
+
+
+class Augmented:
+    """150 KB uint8 images with one elementwise op each, as an augmentation does; each sample
+    says which thread made it and with how many torch threads."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.bank = torch.randint(0, 200, (4, 3, 224, 224), dtype=torch.uint8)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"image": self.bank[i % 4] + 1, "threads": torch.get_num_threads(),
+                "main": threading.current_thread() is threading.main_thread()}
+
+
+def _fresh_thread_count() -> int:
+    """What a thread that has run no torch op yet gets: torch's process-wide count."""
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+async def test_the_fetch_thread_leaves_the_callers_thread_counts_alone() -> None:
+    mine, fresh = torch.get_num_threads(), _fresh_thread_count()
+    loader = aioloader.DataLoader(Augmented(16), batch_size=4, quiet=True)
+    try:
+        for _ in range(2):
+            async for batch in loader:
+                assert batch["threads"].tolist() == [fresh] * 4  # torch's count, unchanged
+                assert not batch["main"].any()  # in the fetch thread
+                assert torch.get_num_threads() == mine  # between batches, here
+    finally:
+        await loader.aclose()
+    assert torch.get_num_threads() == mine
+    assert _fresh_thread_count() == fresh  # torch's process-wide count too
+
+
+def test_the_sync_face_fetches_here_with_the_callers_count() -> None:
+    """Inline, as torch's num_workers=0 does: nothing to change there."""
+    mine = torch.get_num_threads()
+    with aioloader.DataLoader(Augmented(8), batch_size=4, quiet=True) as loader:
+        threads = {n for batch in loader for n in batch["threads"].tolist()}
+    assert threads == {mine}
+    assert torch.get_num_threads() == mine
+
+
+def _matmul_ms(a: torch.Tensor, repeats: int = 3) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, a)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+async def test_the_training_step_is_not_slowed_by_the_epoch() -> None:
+    """A matmul on the caller's thread, between batches, takes about what it took before the
+    epoch. The bound is generous (a busy machine moves both figures): it catches a caller
+    left on one thread or a loader thread spinning beside the step, not a few per cent."""
+    a = torch.randn(384, 384)
+    _matmul_ms(a, repeats=5)  # warm: MKL, the OpenMP team, the allocator
+    before = statistics.median(_matmul_ms(a) for _ in range(30))
+    during: list[float] = []
+    loader = aioloader.DataLoader(Augmented(30 * 8), batch_size=8, quiet=True)
+    try:
+        async for _ in loader:
+            during.append(_matmul_ms(a))
+    finally:
+        await loader.aclose()
+    ratio = statistics.median(during) / before
+    assert ratio < 3.0, f"a matmul took {ratio:.2f}x its time before the epoch"
+
+
+LOAD_STAGE_LEAK = """
+import asyncio, threading, torch, aioloader
+
+def fresh():
+    out = []
+    t = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return out[0]
+
+def load(k):
+    return torch.zeros(3) + k
+
+before = fresh()
+
+async def main():
+    async with aioloader.DataLoader(list(range(64)), batch_size=4, quiet=True,
+                                    load_fn=load, concurrency=4) as loader:
+        async for _ in loader:
+            pass
+
+asyncio.run(main())
+print(before, fresh(), torch.get_num_threads())
+"""
+
+
+def test_a_load_stage_leaves_other_threads_their_torch_thread_count() -> None:
+    # issue 23: the load threads' initializer was torch.set_num_threads(1), which also set
+    # the count every thread yet to run a parallel op starts with: after one epoch with a
+    # load_fn, a new thread (or a main thread early in a script) ran on one thread.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LOAD_STAGE_LEAK], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    before, after, main_thread = map(int, done.stdout.split())
+    assert after == before and main_thread == before, done.stdout
