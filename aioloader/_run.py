@@ -261,11 +261,8 @@ class Run:
         in_epoch = self._cursor.in_epoch
         if not in_epoch:
             return False
-        if self.config.batching.batches_per_epoch is not None:
-            return in_epoch >= self.config.batching.batches_per_epoch
-        if self.config.kind is Kind.MAP or self.cache is not None:
-            return in_epoch >= self.length()
-        return False
+        length = self.known_length()
+        return length is not None and in_epoch >= length
 
     def known_length(self) -> int | None:
         """The epoch's length where it is known without reading anything."""
