@@ -140,6 +140,14 @@ class LoaderConfig:
         """How many shards a stream is read in (one per worker; one in this process)."""
         return max(self.workers.num_workers, 1)
 
+    @property
+    def shape_shards(self) -> int | None:
+        """The shards a state's position depends on. A stream is read in one shard per
+        worker. So is a cached reader on several ranks: a rank caches its workers' shards
+        (another num_workers: other instances). Index batches are the same whatever the
+        number of workers."""
+        return self.shards if self.lazy or (self.cached and self.topo.distributed) else None
+
     def fingerprint(self) -> dict[str, Any]:
         """The arguments a state depends on, as data (the seed is checked apart)."""
         c, b = self, self.batching
@@ -156,9 +164,7 @@ class LoaderConfig:
             "rank": c.topo.rank,
             "world_size": c.topo.world_size,
             "even_batches": b.even_batches,
-            # A stream is read in one shard per worker; index batches are the same whatever
-            # the number of workers.
-            "shards": c.shards if c.lazy else None,
+            "shards": c.shape_shards,
             "dataset_len": len(c.source) if c.kind is Kind.MAP else None,
         }
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -256,11 +256,15 @@ class DataLoader:
         """
         return self._run.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Resume from a :meth:`state_dict`: the next batches are those that followed it.
 
-        Raises :class:`~aioloader.ResumeError` (and changes nothing) when ``state`` is not a
-        loader's state, or was taken with other arguments; the loader stays usable.
+        ``state`` is this rank's state, or a list of the states every rank took at one step:
+        on another world size (or, for a stream, another number of workers) the rest of the
+        epoch is dealt again so that every instance is still seen once (see "Checkpoint and
+        resume" in the docs). Raises :class:`~aioloader.ResumeError` (and changes nothing)
+        when ``state`` is not a loader's state, or was taken with other arguments; the loader
+        stays usable.
         """
         self._run.load_state_dict(state)
 

@@ -35,6 +35,8 @@ __all__ = [
     "PlanSpec",
     "Sharding",
     "count_batches",
+    "deal",
+    "global_order",
     "plan_epoch",
     "seed_for",
     "sharding",
@@ -121,6 +123,8 @@ def plan_epoch(
     batches: Sequence[list[int]]
     if policy is Sharding.AS_IS:
         batches = _user_batches(spec.sampler, epoch)
+    elif policy is Sharding.SPLIT:
+        batches = deal(spec, data, epoch, global_order(spec, len(data), epoch), whole=True)
     elif spec.sampler is not None:
         batches = _sampler_batches(spec, data, epoch, policy)
     else:
@@ -130,11 +134,32 @@ def plan_epoch(
             order = torch.randperm(n, generator=torch_generator(_epoch_seed(spec, epoch, policy)))
         else:
             order = torch.arange(n)
-        if policy is Sharding.SPLIT:
-            order = shard_order(order, spec.rank, spec.world_size, even=spec.even_batches,
-                                drop_last=spec.drop_last)
         batches = split_batches(order, spec.batch_size, spec.drop_last)
     return batches if target_batches is None else even_out(batches, target_batches)
+
+
+def global_order(spec: PlanSpec, n: int, epoch: int) -> torch.Tensor:
+    """SPLIT's one order of range(n) in epoch `epoch`, before it is dealt to the ranks: a
+    permutation seeded from (seed, epoch) when the loader shuffles, else range order (an
+    `aioloader.BatchSampler` shuffles each rank's share itself)."""
+    if spec.sampler is None and spec.shuffle:
+        seed = _epoch_seed(spec, epoch, Sharding.SPLIT)
+        return torch.randperm(n, generator=torch_generator(seed))
+    return torch.arange(n)
+
+
+def deal(spec: PlanSpec, data: Sequence[Any], epoch: int, order: torch.Tensor, *,
+         whole: bool = False) -> Sequence[list[int]]:
+    """Rank `spec.rank`'s SPLIT batches of epoch `epoch` over `order`: the epoch's
+    `global_order` (`whole`), or what an interrupted epoch left of it (`_reshape`). It is
+    dealt like DistributedSampler, then cut into batches (or batched by the BatchSampler)."""
+    share = shard_order(order, spec.rank, spec.world_size, even=spec.even_batches,
+                        drop_last=spec.drop_last)
+    if spec.sampler is None:
+        assert spec.batch_size is not None  # PlanSpec checked
+        return split_batches(share, spec.batch_size, spec.drop_last)
+    instances = data if whole and spec.world_size == 1 else _Share(data, share.tolist())
+    return _sampler_batches(spec, instances, epoch, Sharding.SPLIT)
 
 
 def count_batches(
@@ -189,10 +214,11 @@ def _epoch_seed(spec: PlanSpec, epoch: int, policy: Sharding) -> int:
 
 
 def _sampler_batches(
-    spec: PlanSpec, data: Sequence[Any], epoch: int, policy: Sharding
+    spec: PlanSpec, instances: Sequence[Any], epoch: int, policy: Sharding
 ) -> list[list[int]]:
+    """A BatchSampler's batches of `instances` (a rank's `_Share`, or the data whole), as
+    indices into the data."""
     sampler: BatchSampler = spec.sampler
-    instances = _share(spec, data) if policy is Sharding.SPLIT else data
     # The BatchSampler protocol draws from a `random.Random`, through current_rng().
     with use_rng(random.Random(_epoch_seed(spec, epoch, policy))):
         local = [list(b) for b in sampler.get_batch_indices(instances)]

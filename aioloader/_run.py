@@ -22,7 +22,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ._bars import progress_bar
@@ -39,7 +39,7 @@ from ._session import GRACE, Delivered, PassDone, Session, Step
 from ._setup import Setup
 from ._sources import Kind
 from ._starting import StandbyPool, warm_forkserver
-from ._state import Cursor, ResumePoint, make_state, read_state
+from ._state import Cursor, ResumePoint, choose, make_state, read_state
 from ._stats import NO_ARENA, LoaderStats, Meter
 
 
@@ -314,7 +314,8 @@ class Run:
                 carried = self._cursor.carried if resume is not None else None
                 self._cursor = Cursor(self._next_pass, resume.in_pass if resume else 0,
                                       stream=getattr(producer, "position", None),
-                                      carried=carried)
+                                      carried=carried,
+                                      history=resume.history if resume else ())
             await session.start()
         return session
 
@@ -407,10 +408,15 @@ class Run:
             cursor = self._cursor
         return make_state(self.config.fingerprint(), self.seed, cursor, self._cached_count())
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         c = self.config
-        point = read_state(state, self.config.fingerprint(), seed=c.given.seed,
-                           shards=c.shards if c.lazy else None)
+        shards = c.shape_shards
+        states = [state] if isinstance(state, Mapping) or not isinstance(
+            state, Sequence) or not state else list(state)
+        points = [read_state(s, c.fingerprint(), seed=c.given.seed, shards=shards)
+                  for s in states]
+        point = choose(points, rank=c.topo.rank, world_size=c.topo.world_size, shards=shards,
+                       refusal=self._setup.reshape_refusal())
         with self._lock:
             if self.in_epoch():
                 raise LoaderBusyError(
@@ -425,7 +431,7 @@ class Run:
         self.phase = Phase.IDLE  # the state says where the next epoch starts: nothing owed
         self._next_pass = point.pass_no
         self._cursor = Cursor(point.pass_no, point.in_pass, point.in_epoch,
-                              carried=point.in_epoch)
+                              carried=point.in_epoch, history=point.history)
         if point.stream is not None and not is_stateful(c.source) and c.loads is None:
             skipped = sum(p.start.raw for p in point.stream.shards)
             if skipped:
@@ -443,10 +449,12 @@ class Run:
             return  # the next epoch starts a pass of its own
         with self._lock:
             cursor = self._cursor
+        topo = self.config.topo
         self._resume = ResumePoint(
             seed=self.seed, pass_no=cursor.pass_no, in_pass=cursor.in_pass, in_epoch=0,
             stream=cursor.stream() if cursor.stream is not None else None,
-            instances=self._cached_count())
+            instances=self._cached_count(), history=cursor.history, rank=topo.rank,
+            world_size=topo.world_size, shards=self.config.shape_shards)
 
     def _cached_count(self) -> int | None:
         return len(self.cache) if self.cache is not None and self.config.cached else None

@@ -117,6 +117,10 @@ class Batches(Sequence[list[int]]):
     def __len__(self) -> int:
         return self._len
 
+    def head(self, k: int) -> torch.Tensor:
+        """The indices of the first ``k`` batches, as one tensor."""
+        return self._order[: k * self._batch_size]
+
     @overload
     def __getitem__(self, i: int) -> list[int]: ...
     @overload

@@ -18,6 +18,7 @@ from ._phases import RestartBudget
 from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
 from ._position import ShardPosition, StreamPosition
 from ._producers import CachedInstances, Plan, WorkerIndex, WorkerInstances, WorkerStream
+from ._reshape import local_plan, split_plan
 from ._session import Producer
 from ._sources import Kind
 from ._starting import StandbyPool
@@ -69,14 +70,23 @@ class Setup:
             spec = self.plan_spec
             # worker 0's seeds: one shard gives the same batches in or out of a worker
             return self.stream(start, lambda pass_no: worker_seed(spec, pass_no, 0))
+        history = resume.history if resume is not None else ()
         if c.kind is Kind.MAP:
             data: Any = c.source
             plan = self._map_plan()
+            if history:
+                spec, resumed = self.plan_spec, first_pass
+                plan = _first_pass(plan, resumed, lambda: split_plan(spec, data, resumed,
+                                                                     history))
         else:
             assert cache is not None, "a cached reader's producer needs its cache"
             data = cache
             plan = self._cached_plan(cache)
-            if resume is not None and resume.instances not in (None, len(cache)):
+            if history:
+                spec, resumed = self.plan_spec, first_pass
+                plan = _first_pass(plan, resumed, lambda: local_plan(
+                    spec, resumed, history, len(cache), c.shards))
+            elif resume is not None and resume.instances not in (None, len(cache)):
                 raise ResumeError(
                     f"the state was taken over {resume.instances} instances, but the reader "
                     f"now gives {len(cache)}: the data changed, so the position in the epoch "
@@ -84,6 +94,27 @@ class Setup:
         ahead = sharding(self.plan_spec, shared=True) is not Sharding.AS_IS
         return self.index(data, plan, first_pass, plan_ahead=ahead,
                           skip=resume.in_pass if resume is not None else 0)
+
+    def reshape_refusal(self) -> str | None:
+        """Why a state taken on another shape (world size; a stream's workers) cannot resume
+        here; None: the rest of its epoch can be dealt again (``_reshape``)."""
+        c = self.config
+        if c.lazy:
+            return ("a lazy stream resumes on the world size and num_workers it was taken "
+                    "with (each worker reads its own shard of the stream)")
+        if sharding(self.plan_spec, shared=True) is Sharding.AS_IS:
+            return ("a batch_sampler of your own deals the samples between the ranks, so only "
+                    "it could deal the rest of the epoch again: resume on the same world size, "
+                    "or let the loader sample (batch_size=, shuffle=)")
+        if c.kind is not Kind.MAP:
+            if self.plan_spec.sampler is not None:
+                return ("a BatchSampler over a cached reader batches each rank's own "
+                        "instances, which other ranks never see: resume on the same world size")
+            if c.kind is Kind.ITERABLE or getattr(c.source, "manual_distributed_sharding",
+                                                   False):
+                return ("the source splits itself between the ranks, so the loader cannot "
+                        "tell which rank read which instance: resume on the same world size")
+        return None
 
     def _map_plan(self) -> Plan:
         spec, data = self.plan_spec, self.config.source
@@ -156,3 +187,9 @@ class Setup:
         """The load stage for ``data``: the source's; none for a cache of instances (they
         were loaded when the cache filled)."""
         return self.config.loads if data is self.config.source else None
+
+
+def _first_pass(plan: Plan, resumed: int, first: Callable[[], Sequence[list[int]]]) -> Plan:
+    """``plan``, but pass ``resumed`` (dealt again after a resume on another shape) is
+    ``first()``."""
+    return lambda pass_no: first() if pass_no == resumed else plan(pass_no)

@@ -8,15 +8,18 @@ stream each shard's block start. It never holds data, a reader or a pickle (issu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import ResumeError
 from ._position import StreamPosition
+from ._reshape import History, Progress
 
 FORMAT = "aioloader.DataLoader"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # version 1: the same, without a history
+SHAPE = ("rank", "world_size", "shards")  # may differ on resume: see ``choose``
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Cursor:
     in_epoch: int = 0
     stream: Callable[[], StreamPosition] | None = None
     carried: int | None = None
+    history: History = ()  # the pass was resumed on other shapes (``_reshape``)
 
     def begin_epoch(self) -> int:
         """An epoch starts: the batches it has already delivered (a resumed one's)."""
@@ -46,6 +50,7 @@ class Cursor:
     def pass_done(self) -> None:
         self.pass_no += 1
         self.in_pass = 0
+        self.history = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class ResumePoint:
     in_epoch: int
     stream: StreamPosition | None
     instances: int | None  # a cached reader's instance count when the state was taken
+    history: History = ()
+    rank: int = 0  # the shape it was taken on
+    world_size: int = 1
+    shards: int | None = None
 
 
 def make_state(fingerprint: Mapping[str, Any], seed: int, cursor: Cursor,
@@ -74,6 +83,7 @@ def make_state(fingerprint: Mapping[str, Any], seed: int, cursor: Cursor,
         "batches_in_epoch": cursor.in_epoch,
         "instances": instances,
         "stream": stream.to_data() if stream is not None else None,
+        "history": [progress.to_data() for progress in cursor.history],
     }
 
 
@@ -86,13 +96,14 @@ def read_state(state: Any, fingerprint: Mapping[str, Any], *, seed: int | None,
         raise ResumeError(
             f"not an aioloader DataLoader state dict: expected a dict from "
             f"DataLoader.state_dict() (with format {FORMAT!r}), got {_brief(state)}")
-    if state.get("version") != VERSION:
+    if state.get("version") not in READS:
         raise ResumeError(f"state dict version {state.get('version')!r} is not supported by "
-                          f"this aioloader (it reads version {VERSION})")
+                          f"this aioloader (it reads versions {', '.join(map(str, READS))})")
     try:
         taken = state["loader"]
         differs = [f"{key}={taken.get(key)!r} when the state was taken, {value!r} here"
-                   for key, value in fingerprint.items() if taken.get(key, value) != value]
+                   for key, value in fingerprint.items()
+                   if key not in SHAPE and taken.get(key, value) != value]
         if seed is not None and state["seed"] != seed:
             differs.append(f"seed={state['seed']!r} when the state was taken, {seed!r} here")
         if differs:
@@ -108,14 +119,69 @@ def read_state(state: Any, fingerprint: Mapping[str, Any], *, seed: int | None,
             stream=(StreamPosition.from_data(state["stream"])
                     if state["stream"] is not None else None),
             instances=(None if state["instances"] is None
-                       else _count(state["instances"], "instances")))
+                       else _count(state["instances"], "instances")),
+            history=tuple(Progress.from_data(p) for p in state.get("history", ())),
+            rank=_count(taken["rank"], "rank"),
+            world_size=_count(taken["world_size"], "world_size"),
+            shards=None if taken["shards"] is None else _count(taken["shards"], "shards"))
     except ResumeError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ResumeError(f"corrupt aioloader state dict: {type(exc).__name__}: {exc} "
                           "(was it edited, or cut short?)") from exc
-    _check_stream(point, shards)
+    if not 0 <= point.rank < point.world_size:
+        raise ResumeError(f"corrupt aioloader state dict: rank {point.rank} of world_size "
+                          f"{point.world_size}")
+    if point.shards == shards:
+        _check_stream(point, shards)
     return point
+
+
+def choose(points: Sequence[ResumePoint], *, rank: int, world_size: int,
+           shards: int | None, refusal: str | None) -> ResumePoint:
+    """Where rank ``rank`` of ``world_size`` (a stream: in ``shards`` shards) resumes, from
+    the states of one run (one, or every rank's): its own state where the shape is the
+    same; else the pass's progress on every rank, put together (``_reshape``).
+    ``refusal``: why this loader cannot resume on another shape (None: it can)."""
+    first = points[0]
+    for point in points[1:]:
+        if (point.seed, point.pass_no, point.history, point.world_size) != (
+                first.seed, first.pass_no, first.history, first.world_size):
+            raise ResumeError(
+                "these states are not of one run at one step: they differ in seed, epoch or "
+                f"world size (seed {first.seed} and {point.seed}, pass {first.pass_no} and "
+                f"{point.pass_no}, world_size {first.world_size} and {point.world_size}). "
+                "Pass the states every rank took at the same step")
+    ranks = sorted(p.rank for p in points)
+    if len(set(ranks)) != len(ranks):
+        raise ResumeError(f"two of these states are of the same rank (ranks {ranks}): pass "
+                          "one state per rank")
+    if first.world_size == world_size and first.shards == shards:
+        own = [p for p in points if p.rank == rank]
+        if own:
+            return own[0]
+    reshaped = (f"a state taken on rank {first.rank} of {first.world_size}"
+                + (f" with {first.shards} shard(s)" if first.shards is not None else "")
+                + f", resumed on rank {rank} of {world_size}"
+                + (f" with {shards} shard(s)" if shards is not None else ""))
+    if refusal is not None:
+        raise ResumeError(f"{reshaped}: {refusal}")
+    missing = sorted(set(range(first.world_size)) - set(ranks))
+    if missing:
+        raise ResumeError(
+            f"{reshaped}: the epoch is dealt again over the ranks, which needs every rank's "
+            f"state, and rank(s) {missing} of {first.world_size} are missing. Pass them all: "
+            "`loader.load_state_dict([state_of_rank_0, state_of_rank_1, ...])`")
+    by_rank = sorted(points, key=lambda p: p.rank)
+    history = first.history
+    if any(p.in_pass for p in by_rank):  # else the pass had delivered nothing yet
+        cached = [p.instances for p in by_rank]
+        history = (*history, Progress(
+            first.world_size, tuple(p.in_pass for p in by_rank),
+            None if None in cached else tuple(n or 0 for n in cached), first.shards or 1))
+    return replace(first, in_pass=0, in_epoch=max(p.in_epoch for p in points), stream=None,
+                   instances=None, history=history, rank=rank, world_size=world_size,
+                   shards=shards)
 
 
 def _check_stream(point: ResumePoint, shards: int | None) -> None:
