@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 from ._collate import default_collate
 from ._loads import LoadOptions, LoadStage, Report, SkippedLoad
-from ._position import PASS_START, BlockStart, Mark, Shard, ShardPosition
+from ._position import PASS_START, BlockStart, Frontier, Mark, Shard, ShardPosition
 from ._samplers import Batcher, BatchSampler, Group
 from ._sources import Kind, Unhooked, aclose, as_async, fetch, unhooked
 
@@ -110,12 +110,12 @@ class ShardPass:
 
     def _marked(self, groups: list[Group]) -> list[Step]:
         out: list[Step] = []
-        for block, index, items in groups:
+        for block, index, items, size in groups:
             if block == self._skip_block and index < self._skip:
                 continue  # delivered before the resume
             start = self.starts.pop(block, None)
             out.append(Batch(items, [block, index,
-                                     start.to_wire() if start is not None else None]))
+                                     start.to_wire() if start is not None else None, size]))
         self.emitted += len(out)
         return out
 
@@ -150,9 +150,14 @@ class Pipeline:
         ``LoadStage.fetch``)."""
         return fetch(self.source, indices, touch)
 
-    def shard(self, start: BlockStart = PASS_START) -> Shard:
+    def shard(self, start: BlockStart = PASS_START, frontier: Frontier | None = None) -> Shard:
+        skip = None
+        if frontier is not None:
+            assert self.options is not None, "only a stream of batches is resumed on a new shape"
+            skip = frontier.delivered(self.options)
         return Shard(self.source, self.kind, self.data_path, self.worker, self.num_workers,
-                     self.rank, self.world_size, start, keys=self.loads is not None)
+                     self.rank, self.world_size, start, keys=self.loads is not None,
+                     delivered=skip)
 
     def instances(self, shard: Shard, stage: LoadStage | None,
                   offload: Offload | None = None) -> Iterable[Any] | Unhooked[Any]:
@@ -175,7 +180,7 @@ class Pipeline:
         """One pass's batches (and block boundaries), from ``start`` on; batches are seeded
         from ``seed``, the pass's."""
         assert self.options is not None
-        shard = self.shard(start.start)
+        shard = self.shard(start.start, start.frontier)
         cut = ShardPass(shard, self.options, seed, start)
         instances = self.instances(shard, stage, offload)
         if isinstance(instances, Unhooked):

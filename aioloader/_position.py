@@ -10,12 +10,16 @@ batches before they are collated (issue 10).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+import random
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from ._errors import ResumeError
+from ._samplers import derive_seed, plan_indices
 from ._sources import Kind, is_async, open_pass, shard_spec
 
 
@@ -42,22 +46,33 @@ PASS_START = BlockStart(0, 0, None)
 
 @dataclass(frozen=True, slots=True)
 class ShardPosition:
-    """A shard stands in pass ``pass_no``, ``batches`` batches into the block at ``start``."""
+    """A shard stands in pass ``pass_no``, ``batches`` batches into the block at ``start``.
+
+    ``size``: that block's instances, when it was planned whole (shuffled; None: streamed,
+    or not known yet). ``frontier``: the pass was resumed on another shape; what the earlier
+    shapes delivered is skipped (the pass's every shard has the same).
+    """
 
     pass_no: int
     start: BlockStart = PASS_START
     batches: int = 0
+    size: int | None = None
+    frontier: Frontier | None = None
 
     def to_data(self) -> list[Any]:
-        return [self.pass_no, *self.start.to_wire(), self.batches]
+        return [self.pass_no, *self.start.to_wire(), self.batches, self.size,
+                self.frontier.to_data() if self.frontier is not None else None]
 
     @classmethod
     def from_data(cls, data: list[Any]) -> ShardPosition:
-        pass_no, block, raw, state, batches = data
-        return cls(pass_no, BlockStart(block, raw, state), batches)
+        pass_no, block, raw, state, batches, *rest = data  # 5 fields: a version 1 state
+        size, frontier = rest if rest else (None, None)
+        return cls(pass_no, BlockStart(block, raw, state), batches, size,
+                   Frontier.from_data(frontier) if frontier is not None else None)
 
 
-Mark = list[Any]  # [block, index, start or None]: where a batch lies, sent with it
+# [block, index, start or None, the block's size or None]: where a batch lies, sent with it
+Mark = list[Any]
 
 
 class ShardTracker:
@@ -67,12 +82,13 @@ class ShardTracker:
         self.position = position
 
     def delivered(self, mark: Mark) -> None:
-        block, index, start = mark
-        begin = BlockStart.from_wire(start) if start is not None else self.position.start
+        block, index, start, size = mark
+        at = self.position
+        begin = BlockStart.from_wire(start) if start is not None else at.start
         if begin.block != block:
             raise AssertionError(f"batch {index} of block {block} arrived without the "
                                  f"block's start (position {self.position})")
-        self.position = ShardPosition(self.position.pass_no, begin, index + 1)
+        self.position = ShardPosition(at.pass_no, begin, index + 1, size, at.frontier)
 
     def ended(self) -> None:
         self.position = ShardPosition(self.position.pass_no + 1)
@@ -94,7 +110,8 @@ class Shard:
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, worker: int,
                  num_workers: int, rank: int, world_size: int,
-                 start: BlockStart = PASS_START, *, keys: bool = False) -> None:
+                 start: BlockStart = PASS_START, *, keys: bool = False,
+                 delivered: Callable[[int], bool] | None = None) -> None:
         self.index, self.count = shard_spec(source, kind, worker, num_workers, rank,
                                             world_size)
         # A stream of keys (a load stage follows) runs ahead of the instances loaded: the
@@ -112,15 +129,187 @@ class Shard:
         self.skipped = skip  # instances read again and dropped to get back to the start
         self.stream = _from(open_pass(source, kind, data_path), skip + self.first - self.base,
                             self.count)
+        self._kept: Kept | None = None
+        if delivered is not None:  # the pass was resumed on another shape: skip its past
+            self._kept = Kept(self.first, self.count, delivered)
+            self.stream = self._kept.wrap(self.stream)
 
     def mark(self, block: int, taken: int) -> BlockStart:
         """The start of block ``block``, which follows the ``taken``-th instance taken."""
-        raw = self.first + (taken - 1) * self.count + 1 if taken else self.base
+        if self._kept is not None:
+            raw = self._kept.after(taken) if taken else self.base
+        else:
+            raw = self.first + (taken - 1) * self.count + 1 if taken else self.base
         state = None
         if self._stateful is not None:
             state = self._stateful.state_dict()
             _check_json(state, self._stateful)
         return BlockStart(block, raw, state)
+
+
+class Kept:
+    """A shard's stream past a :class:`Frontier`: the instances an earlier shape delivered
+    are dropped, and the raw position of each one kept is remembered until the block it
+    ends is marked (at most a block, and the load stage's window, are held)."""
+
+    def __init__(self, first: int, count: int, delivered: Callable[[int], bool]) -> None:
+        self._next = first  # the raw position of the next item the stream yields
+        self._count = count
+        self._delivered = delivered
+        self._raws: collections.deque[int] = collections.deque()
+        self._marked = 0
+        self._last = -1
+
+    def wrap(self, stream: Iterable[Any] | AsyncIterable[Any]
+             ) -> Iterable[Any] | AsyncIterable[Any]:
+        if is_async(stream):
+            return self._async(stream)  # type: ignore[arg-type]
+        return self._sync(stream)  # type: ignore[arg-type]
+
+    def _keep(self) -> bool:
+        raw, self._next = self._next, self._next + self._count
+        if self._delivered(raw):
+            return False
+        self._raws.append(raw)
+        return True
+
+    def _sync(self, stream: Iterable[Any]) -> Iterator[Any]:
+        for item in stream:
+            if self._keep():
+                yield item
+
+    async def _async(self, stream: AsyncIterable[Any]) -> AsyncIterator[Any]:
+        async for item in stream:
+            if self._keep():
+                yield item
+
+    def after(self, taken: int) -> int:
+        """The raw position just after the ``taken``-th instance kept."""
+        while self._marked < taken:
+            self._last = self._raws.popleft()
+            self._marked += 1
+        return self._last + 1
+
+
+class Batching(Protocol):
+    """What replaying a block needs of the loader's batching options (``BatchOptions``)."""
+
+    @property
+    def batch_size(self) -> int | None: ...
+    @property
+    def drop_last(self) -> bool: ...
+    @property
+    def shuffle(self) -> bool: ...
+    @property
+    def chunk_size(self) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One earlier shape of a pass, when its states were taken: shard k of ``count`` (the
+    loader's sharding: raw positions k, k + count, ...) stood at ``positions[k]`` (None: its
+    pass was over), its blocks seeded from ``seeds[k]``."""
+
+    count: int
+    positions: tuple[ShardPosition | None, ...]
+    seeds: tuple[int, ...]
+
+    def to_data(self) -> list[Any]:
+        return [self.count, [p.to_data() if p is not None else None for p in self.positions],
+                list(self.seeds)]
+
+    @classmethod
+    def from_data(cls, data: list[Any]) -> Level:
+        count, positions, seeds = data
+        level = cls(int(count), tuple(ShardPosition.from_data(p) if p is not None else None
+                                      for p in positions), tuple(int(x) for x in seeds))
+        if level.count < 1 or len(level.positions) != level.count or len(
+                level.seeds) != level.count:
+            raise ValueError(f"a frontier level of {level.count} shard(s) holds "
+                             f"{len(level.positions)} position(s)")
+        return level
+
+
+@dataclass(frozen=True, slots=True)
+class Frontier:
+    """What a pass delivered under earlier shapes (another num_workers or world size): a
+    stream resumed on a new shape skips it, so every instance is seen once (issue 21).
+
+    Nothing is stored per instance: a shard's past is everything before its block start,
+    plus the first batches of that block, which are replayed from the block's seed and
+    size (a block's batches are a function of its instances, its number and its seed).
+    """
+
+    levels: tuple[Level, ...]
+
+    def to_data(self) -> list[Any]:
+        return [level.to_data() for level in self.levels]
+
+    @classmethod
+    def from_data(cls, data: list[Any]) -> Frontier:
+        return cls(tuple(Level.from_data(level) for level in data))
+
+    def restart(self) -> BlockStart | None:
+        """Where the new shards begin reading: the earliest block start of the last shape's
+        shards (with the source's own state there); None: every shard's pass was over."""
+        starts = [p.start for p in self.levels[-1].positions if p is not None]
+        if not starts:
+            return None
+        first = min(starts, key=lambda start: start.raw)
+        return BlockStart(0, first.raw, first.state)
+
+    def delivered(self, options: Batching) -> Callable[[int], bool]:
+        """Whether the instance at a raw position was delivered under an earlier shape."""
+        tests: list[tuple[int, list[int | None], set[int]]] = []
+
+        def earlier(raw: int) -> bool:
+            for count, lows, done in tests:
+                low = lows[raw % count]
+                if low is None or raw < low or raw in done:
+                    return True
+            return False
+
+        for level in self.levels:
+            lows = [p.start.raw if p is not None else None for p in level.positions]
+            done: set[int] = set()
+            for k, p in enumerate(level.positions):
+                if p is not None and p.batches:
+                    done.update(_replayed(options, level, k, p, earlier if tests else None))
+            tests.append((level.count, lows, done))
+        return earlier
+
+
+def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
+              earlier: Callable[[int], bool] | None) -> list[int]:
+    """The raw positions in the first ``p.batches`` batches of shard ``k``'s block."""
+    count, start = level.count, p.start.raw
+    first = start + (k - start) % count
+    assert options.batch_size is not None, "a BatchSampler's blocks are not replayed"
+    shuffled = options.shuffle
+    if shuffled and p.size is None:
+        raise ResumeError("this state was taken by an older aioloader, whose positions do "
+                          "not say a shuffled block's size: resume it on the shape it was "
+                          "taken on")
+    need = p.size if shuffled and p.size is not None else p.batches * options.batch_size
+    raws: list[int] = []
+    if earlier is None:
+        raws = list(range(first, first + need * count, count))
+    else:  # the block's instances are those the earlier shapes left (finitely many tried)
+        raw = first
+        for _ in range((need + 1) * count * 64):
+            if len(raws) == need:
+                break
+            if not earlier(raw):
+                raws.append(raw)
+            raw += count
+    if not shuffled:
+        return raws[: p.batches * options.batch_size]
+    capacity = max((options.chunk_size or need) // options.batch_size, 1) * options.batch_size
+    plan = plan_indices(len(raws), batch_size=options.batch_size,
+                        drop_last=options.drop_last and len(raws) < capacity, shuffle=True,
+                        sampler=None, rng=random.Random(derive_seed(level.seeds[k],
+                                                                    p.start.block)))
+    return [raws[i] for batch in plan[: p.batches] for i in batch]
 
 
 def _from(stream: Iterable[Any] | AsyncIterable[Any], first: int,

@@ -154,10 +154,11 @@ class WorkerStream(_OnWorkers):
 
     async def next(self) -> Step:
         while True:
-            if not self._pending:
+            if not self._pending:  # each pass starts at shard 0: a function of its pass alone
                 done = PassDone(self._produced == 0)
                 self._pending = set(range(self.n))
                 self._produced = 0
+                self._rr = 0
                 return done
             w = self._next_worker()
             self._waiting = w

@@ -416,7 +416,8 @@ class Run:
         points = [read_state(s, c.fingerprint(), seed=c.given.seed, shards=shards)
                   for s in states]
         point = choose(points, rank=c.topo.rank, world_size=c.topo.world_size, shards=shards,
-                       refusal=self._setup.reshape_refusal())
+                       refusal=self._setup.reshape_refusal(),
+                       reframe=self._setup.reframe if c.lazy else None)
         with self._lock:
             if self.in_epoch():
                 raise LoaderBusyError(

@@ -376,6 +376,7 @@ class Group(NamedTuple):
     block: int
     batch: int
     items: list[Any]
+    size: int | None = None  # the block's instances, when it was planned whole (not streamed)
 
 
 class Batcher:
@@ -477,7 +478,8 @@ class Batcher:
             plan = plan_indices(len(chunk), batch_size=self._batch_size,
                                 drop_last=self._drop_last and last, shuffle=True,
                                 sampler=None, rng=rng)
-        return [Group(self.block, k, [chunk[i] for i in b]) for k, b in enumerate(plan)]
+        return [Group(self.block, k, [chunk[i] for i in b], len(chunk))
+                for k, b in enumerate(plan)]
 
 
 def check_options(

@@ -16,7 +16,7 @@ from ._loads import LoadOptions, SkipLog
 from ._local import LocalIndex, LocalInstances, LocalStream
 from ._phases import RestartBudget
 from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
-from ._position import ShardPosition, StreamPosition
+from ._position import PASS_START, Frontier, Level, ShardPosition, StreamPosition
 from ._producers import CachedInstances, Plan, WorkerIndex, WorkerInstances, WorkerStream
 from ._reshape import local_plan, split_plan
 from ._session import Producer
@@ -100,8 +100,18 @@ class Setup:
         here; None: the rest of its epoch can be dealt again (``_reshape``)."""
         c = self.config
         if c.lazy:
-            return ("a lazy stream resumes on the world size and num_workers it was taken "
-                    "with (each worker reads its own shard of the stream)")
+            if c.kind is Kind.ITERABLE or getattr(c.source, "manual_multiprocess_sharding",
+                                                   False) or getattr(
+                    c.source, "manual_distributed_sharding", False):
+                return ("the source splits itself between the workers or ranks, so the loader "
+                        "cannot tell which shard read which instance: resume on the "
+                        "num_workers and world size the state was taken with (or let the "
+                        "loader shard a reader)")
+            if c.batching.sampler is not None:
+                return ("a BatchSampler's blocks depend on their instances, so the batches a "
+                        "stream delivered cannot be told without reading them again: resume "
+                        "on the num_workers and world size the state was taken with")
+            return None
         if sharding(self.plan_spec, shared=True) is Sharding.AS_IS:
             return ("a batch_sampler of your own deals the samples between the ranks, so only "
                     "it could deal the rest of the epoch again: resume on the same world size, "
@@ -115,6 +125,32 @@ class Setup:
                 return ("the source splits itself between the ranks, so the loader cannot "
                         "tell which rank read which instance: resume on the same world size")
         return None
+
+    def reframe(self, states: list[ResumePoint]) -> StreamPosition:
+        """This loader's stream position from every rank's (``states``, by rank) on another
+        shape: its shards begin at the earliest block start of the old ones, and skip what
+        the old ones delivered (a :class:`Frontier`)."""
+        first = states[0]
+        per_rank, pass_no = first.shards or 1, first.pass_no
+        positions: list[ShardPosition | None] = []
+        seeds: list[int] = []
+        earlier: Frontier | None = None
+        for point in states:
+            stream = point.stream or StreamPosition.begin(pass_no, per_rank)
+            spec = replace(self.plan_spec, rank=point.rank, world_size=point.world_size)
+            for w, position in enumerate(stream.shards):
+                earlier = earlier or position.frontier
+                pending = w in stream.pending
+                positions.append(replace(position, frontier=None) if pending else None)
+                seeds.append(worker_seed(spec, pass_no, w))
+        level = Level(first.world_size * per_rank, tuple(positions), tuple(seeds))
+        frontier = Frontier((*(earlier.levels if earlier else ()), level))
+        start = frontier.restart() or PASS_START  # (no shard left: every instance is skipped)
+        return StreamPosition(
+            tuple(ShardPosition(pass_no, start, frontier=frontier)
+                  for _ in range(self.config.shards)),
+            0, tuple(range(self.config.shards)),
+            max((p.stream.produced for p in states if p.stream is not None), default=0))
 
     def _map_plan(self) -> Plan:
         spec, data = self.plan_spec, self.config.source

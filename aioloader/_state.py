@@ -138,10 +138,13 @@ def read_state(state: Any, fingerprint: Mapping[str, Any], *, seed: int | None,
 
 
 def choose(points: Sequence[ResumePoint], *, rank: int, world_size: int,
-           shards: int | None, refusal: str | None) -> ResumePoint:
-    """Where rank ``rank`` of ``world_size`` (a stream: in ``shards`` shards) resumes, from
-    the states of one run (one, or every rank's): its own state where the shape is the
-    same; else the pass's progress on every rank, put together (``_reshape``).
+           shards: int | None, refusal: str | None,
+           reframe: Callable[[list[ResumePoint]], StreamPosition] | None = None
+           ) -> ResumePoint:
+    """Where rank ``rank`` of ``world_size`` (in ``shards`` shards) resumes, from the states
+    of one run (one, or every rank's): its own state where the shape is the same; else the
+    pass's progress on every rank, put together: index batches as a history
+    (``_reshape``), a stream's shards by ``reframe`` (every rank's states, by rank).
     ``refusal``: why this loader cannot resume on another shape (None: it can)."""
     first = points[0]
     for point in points[1:]:
@@ -173,6 +176,10 @@ def choose(points: Sequence[ResumePoint], *, rank: int, world_size: int,
             f"state, and rank(s) {missing} of {first.world_size} are missing. Pass them all: "
             "`loader.load_state_dict([state_of_rank_0, state_of_rank_1, ...])`")
     by_rank = sorted(points, key=lambda p: p.rank)
+    if reframe is not None:
+        return replace(first, in_pass=max(p.in_pass for p in points),
+                       in_epoch=max(p.in_epoch for p in points), stream=reframe(by_rank),
+                       instances=None, rank=rank, world_size=world_size, shards=shards)
     history = first.history
     if any(p.in_pass for p in by_rank):  # else the pass had delivered nothing yet
         cached = [p.instances for p in by_rank]

@@ -568,7 +568,8 @@ async def _run_stream(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
                 async for step in steps:
                     if isinstance(step, Boundary):
                         if due:  # retiring, at a block boundary: the successor starts here
-                            await _hand_over(chan, ShardPosition(pass_no, step.start))
+                            await _hand_over(chan, ShardPosition(
+                                pass_no, step.start, frontier=start.frontier))
                             return
                         continue
                     if not await chan.emit(sent, _collated(pipe, step.items), step.mark):

@@ -124,11 +124,11 @@ def test_stream_batches_and_marks_across_a_block_boundary() -> None:
     # Blocks of 4 instances (max_instances_in_memory): a block's first batch carries its
     # start; a Boundary says where the next block begins.
     assert steps == [
-        Batch([0, 1], [0, 0, [0, 0, None]]), Batch([2, 3], [0, 1, None]),
+        Batch([0, 1], [0, 0, [0, 0, None], None]), Batch([2, 3], [0, 1, None, None]),
         Boundary(BlockStart(1, 4, None)),
-        Batch([4, 5], [1, 0, [1, 4, None]]), Batch([6, 7], [1, 1, None]),
+        Batch([4, 5], [1, 0, [1, 4, None], None]), Batch([6, 7], [1, 1, None, None]),
         Boundary(BlockStart(2, 8, None)),
-        Batch([8, 9], [2, 0, [2, 8, None]]),
+        Batch([8, 9], [2, 0, [2, 8, None], None]),
     ]
 
 

@@ -2,8 +2,9 @@
 
 2 ranks take 4 batches each of epoch 0 and save their states; then 1 rank (num_workers=0)
 and 4 ranks (num_workers=1) load all of them. Across the ranks of both runs every instance
-of epoch 0 is seen once (even_batches' padding aside); on one rank a map-style epoch goes on
-in its global order; the next epoch is the new world size's own.
+of epoch 0 is seen once (even_batches' padding aside), for a map-style dataset, a cached
+reader and a lazy one; on one rank a map-style epoch goes on in its global order; the next
+epoch is the new world size's own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts_issue9"))
 
-N = {"map": 37, "cached": 41}
+N = {"map": 37, "cached": 41, "lazy": 41}
 
 
 def _ranks(tmp: Path, shared: Path, cases: list[str], world: int,
@@ -58,7 +59,8 @@ def test_resumed_on_another_world_size_every_instance_once(
         assert set(seen) == set(range(n)), name
         assert sum(c - 1 for c in seen.values()) <= world * 3, name  # even_batches' padding
         counts = {len(after[r]["resume"][name]["rest"]) for r in range(world)}
-        assert len(counts) == 1, f"{name}: the ranks disagree on the batch count {counts}"
+        if name != "lazy":  # (a stream's ranks end where their shards end, as in any pass)
+            assert len(counts) == 1, f"{name}: the ranks disagree on the batch count {counts}"
         for r in range(world):
             got = after[r]["resume"][name]
             assert got["next"] == got["whole_next"], f"{name}, rank {r}: epoch 1"
@@ -67,9 +69,6 @@ def test_resumed_on_another_world_size_every_instance_once(
             whole = [i for b in after[0]["resume"][name]["whole"] for i in b]
             assert rest == [i for i in whole if i not in set(taken)]
         assert before[0]["save"][name]["bytes"] < 1024
-    for r in range(world):  # a lazy stream is refused with what to do
-        refused = after[r]["resume"]["lazy"]["refused"]
-        assert "the world size and num_workers it was taken with" in refused
 
 
 @pytest.mark.deadline(300)

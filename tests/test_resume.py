@@ -298,19 +298,6 @@ def test_a_state_from_other_arguments_names_the_difference() -> None:
                              quiet=True).load_state_dict(state)
 
 
-def test_a_reader_state_with_other_num_workers_is_refused() -> None:
-    def make(n: int) -> aioloader.DataLoader:
-        return aioloader.DataLoader(SyncReader(20), batch_size=4, num_workers=n,
-                                    max_instances_in_memory=8, quiet=True)
-
-    loader = make(2)
-    next(iter(loader))
-    state = loader.state_dict()
-    loader.close()
-    with pytest.raises(aioloader.ResumeError, match=r"2 shard\(s\), resumed on rank 0 of 1 with"):
-        make(3).load_state_dict(state)
-
-
 @pytest.mark.parametrize("bad", [
     None, [], {"foo": 1}, {"format": "torchdata"},
     "corrupt-pass", "corrupt-stream", "negative", "version",

@@ -1,0 +1,158 @@
+"""A state taken with W workers resumed with W' (issue 21), on one rank.
+
+Map-style and cached loaders give the batches of the uninterrupted run (their order does not
+depend on workers). A lazy stream is read in one shard per worker, so with W' its rest is
+read in W' new shards that skip what the old ones delivered: every instance once.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from resume_sources import AsyncReader, Items, StatefulReader, SyncReader
+
+import aioloader
+
+Make = Callable[[int], aioloader.DataLoader]
+
+
+def ids(batch: Any) -> list[int]:
+    return [int(i) for i in batch["i"]]
+
+
+def cut(make: Make, before: int, after: int, taken: int,
+        epochs: int = 2) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Batches of ``make(before)`` up to ``taken``, then the rest of epoch 0 and ``epochs - 1``
+    more epochs from ``make(after)`` resumed from its state (through JSON)."""
+    loader = make(before)
+    try:
+        batches = iter(loader)
+        first = [ids(next(batches)) for _ in range(taken)]
+        state = json.loads(json.dumps(loader.state_dict()))
+    finally:
+        loader.close()
+    resumed = make(after)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", aioloader.ResumeWarning)
+            resumed.load_state_dict(state)
+        rest = [[ids(b) for b in resumed] for _ in range(epochs)]
+    finally:
+        resumed.close()
+    return first, rest
+
+
+def whole(make: Make, workers: int, epochs: int = 2) -> list[list[list[int]]]:
+    loader = make(workers)
+    try:
+        return [[ids(b) for b in loader] for _ in range(epochs)]
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 0), (0, 3), (2, 1), (1, 4)])
+@pytest.mark.parametrize("kind", ["map", "cached"])
+def test_index_batches_are_those_of_the_uninterrupted_run(kind: str, before: int,
+                                                          after: int) -> None:
+    def make(workers: int) -> aioloader.DataLoader:
+        source = Items(29) if kind == "map" else SyncReader(29)
+        return aioloader.DataLoader(source, batch_size=3, shuffle=True, seed=5,
+                                    num_workers=workers, quiet=True)
+
+    first, rest = cut(make, before, after, taken=4)
+    assert first + rest[0] == whole(make, before)[0]
+    assert rest[1] == whole(make, after)[1]
+
+
+READERS = {"sync": SyncReader, "async": AsyncReader, "stateful": StatefulReader}
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 0), (0, 2), (2, 3), (3, 1)])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("reader", list(READERS))
+def test_a_stream_gives_every_instance_once(reader: str, shuffle: bool, before: int,
+                                            after: int) -> None:
+    n = 47
+
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(READERS[reader](n), batch_size=3, shuffle=shuffle, seed=2,
+                                    num_workers=workers, max_instances_in_memory=6,
+                                    quiet=True)
+
+    first, rest = cut(make, before, after, taken=5)
+    seen = collections.Counter(i for b in first + rest[0] for i in b)
+    assert seen == collections.Counter(range(n))
+    assert rest[1] == whole(make, after)[1]  # the next epoch is the new shape's own
+
+
+def test_a_stream_resumed_twice_on_new_shapes_within_one_epoch() -> None:
+    n = 61
+
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(SyncReader(n), batch_size=2, shuffle=True, seed=8,
+                                    num_workers=workers, max_instances_in_memory=4,
+                                    quiet=True)
+
+    seen: list[int] = []
+    state: Any = None
+    for workers, taken in ((2, 3), (3, 4), (1, 2)):
+        loader = make(workers)
+        try:
+            if state is not None:
+                loader.load_state_dict(state)
+            batches = iter(loader)
+            seen += [i for _ in range(taken) for i in ids(next(batches))]
+            state = json.loads(json.dumps(loader.state_dict()))
+        finally:
+            loader.close()
+    last = make(0)
+    try:
+        last.load_state_dict(state)
+        seen += [i for b in last for i in ids(b)]
+    finally:
+        last.close()
+    assert collections.Counter(seen) == collections.Counter(range(n))
+
+
+def test_a_stream_with_a_load_stage_resumed_with_other_workers() -> None:
+    n = 40
+
+    class Keys(aioloader.Reader):
+        def read(self, data_path: Any) -> Any:
+            yield from range(n)
+
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(Keys(), batch_size=4, shuffle=True, seed=1,
+                                    num_workers=workers, max_instances_in_memory=8,
+                                    load_fn=lambda k: {"i": k}, concurrency=4, quiet=True)
+
+    first, rest = cut(make, 2, 3, taken=3)
+    assert collections.Counter(i for b in first + rest[0] for i in b) == collections.Counter(
+        range(n))
+
+
+def test_a_stream_that_splits_itself_is_refused_with_what_to_do() -> None:
+    from resume_sources import Stream
+
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(Stream(20), batch_size=2, num_workers=workers,
+                                    max_instances_in_memory=4, quiet=True)
+
+    loader = make(2)
+    try:
+        next(iter(loader))
+        state = loader.state_dict()
+    finally:
+        loader.close()
+    with pytest.raises(aioloader.ResumeError, match="splits itself"):
+        make(1).load_state_dict(state)
+    resumed = make(2)  # the same shape resumes
+    try:
+        resumed.load_state_dict(state)
+    finally:
+        resumed.close()
