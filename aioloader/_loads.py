@@ -332,12 +332,17 @@ class LoadStage:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def stream(self, keys: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Instances (or :class:`SkippedLoad` markers) of ``keys``: in key order when the
-        options say ``ordered``, else as loads finish. At most ``concurrency`` keys are
-        taken ahead of what was yielded."""
+    async def stream(self, keys: AsyncIterator[Any], *, ordered: bool | None = None,
+                     tagged: bool = False) -> AsyncIterator[Any]:
+        """Instances (or :class:`SkippedLoad` markers) of ``keys``: in key order when
+        ``ordered`` (None: as the options say), else as loads finish. At most
+        ``concurrency`` keys are taken ahead of what was yielded. ``tagged``: each key comes
+        as ``(tag, key)`` and each instance goes as ``(tag, instance)``, so that what was
+        delivered can be told whatever the order the loads finished in."""
+        in_order = self.options.ordered if ordered is None else ordered
         window: collections.deque[asyncio.Task[Any]] = collections.deque()
         pending: set[asyncio.Task[Any]] = set()
+        tags: dict[asyncio.Task[Any], Any] = {}
         limit = self.options.concurrency
         more = True
         try:
@@ -348,19 +353,26 @@ class LoadStage:
                     except StopAsyncIteration:
                         more = False
                         break
-                    (window.append if self.options.ordered else pending.add)(
-                        self._start(key))
-                if self.options.ordered:
+                    if tagged:
+                        tag, key = key
+                    task = self._start(key)
+                    if tagged:
+                        tags[task] = tag
+                    (window.append if in_order else pending.add)(task)
+                if in_order:
                     if not window:
                         return
-                    yield await window.popleft()
+                    task = window[0]
+                    result = await task
+                    window.popleft()
+                    yield (tags.pop(task), result) if tagged else result
                 else:
                     if not pending:
                         return
                     done, pending = await asyncio.wait(
                         pending, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
-                        yield task.result()
+                        yield (tags.pop(task), task.result()) if tagged else task.result()
         finally:
             for task in (*window, *pending):
                 task.cancel()

@@ -115,18 +115,13 @@ def check_load_rules(kind: Kind, loads: LoadOptions | None, a: dict[str, Any]) -
     """The rules between the load stage (``loads``) and the other arguments."""
     if loads is None or loads.ordered:
         return
-    if a["max_worker_restarts"] or a["max_batches_per_worker"] or a["max_worker_rss"]:
+    if a["max_batches_per_worker"] or a["max_worker_rss"]:
         raise ValueError(
-            "ordered=False cannot be combined with max_worker_restarts, "
-            "max_batches_per_worker or max_worker_rss: a replacement worker goes on from "
-            "a position in the keys, and loads that finish out of order have none. Use "
-            "ordered=True (loads still overlap; only the hand-over order is kept)")
-    if (not a["persistent_workers"] and a["num_workers"]
-            and a["batches_per_epoch"] is not None and kind is not Kind.MAP):
-        raise ValueError(
-            "persistent_workers=False with batches_per_epoch and ordered=False: the next "
-            "epoch's workers would have to go on from a position in the keys, and loads "
-            "that finish out of order have none. Keep persistent_workers=True")
+            "ordered=False cannot be combined with max_batches_per_worker or "
+            "max_worker_rss: a retiring worker hands over at a block boundary, and loads "
+            "that finish out of order leave none. Use ordered=True (loads still overlap; "
+            "only the hand-over order is kept), or max_worker_restarts (a replacement goes "
+            "on from the keys delivered)")
 
 
 def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> int:

@@ -90,13 +90,21 @@ class ShardPass:
         self._skip_block = begin.block
         self._skip = start.batches if start is not None else 0
         self.emitted = 0
+        self._loose: list[int] = []  # numbered keys skipped on error, for the next mark
 
     def take(self, instance: Any) -> list[Step]:
-        """Take one instance (or a skipped key's marker): the batches it completes, then a
-        :class:`Boundary` when a block closed (or has not begun) here."""
+        """Take one instance (or a skipped key's marker; a numbered stream's ``(number,
+        instance)``): the batches it completes, then a :class:`Boundary` when a block closed
+        (or has not begun) here."""
         self.taken += 1
         # A key skipped on error counts for the position, and has nothing to batch.
-        groups = [] if isinstance(instance, SkippedLoad) else self.batcher.feed(instance)
+        item = instance[1] if self.shard.numbered else instance
+        if isinstance(item, SkippedLoad):
+            groups = []
+            if self.shard.numbered:
+                self._loose.append(instance[0])
+        else:
+            groups = self.batcher.feed(instance)
         steps: list[Step] = self._marked(groups) if groups else []
         if self.batcher.filled == 0:  # a block closed (or has not begun): the next starts here
             block = self.batcher.block
@@ -114,8 +122,11 @@ class ShardPass:
             if block == self._skip_block and index < self._skip:
                 continue  # delivered before the resume
             start = self.starts.pop(block, None)
-            out.append(Batch(items, [block, index,
-                                     start.to_wire() if start is not None else None, size]))
+            mark = [block, index, start.to_wire() if start is not None else None, size]
+            if self.shard.numbered:  # the keys it holds (and those skipped since the last)
+                mark.append([n for n, _ in items] + self._loose)
+                items, self._loose = [x for _, x in items], []
+            out.append(Batch(items, mark))
         self.emitted += len(out)
         return out
 
@@ -150,17 +161,27 @@ class Pipeline:
         ``LoadStage.fetch``)."""
         return fetch(self.source, indices, touch)
 
-    def shard(self, start: BlockStart = PASS_START, frontier: Frontier | None = None) -> Shard:
+    def shard(self, start: BlockStart = PASS_START, frontier: Frontier | None = None,
+              numbered: tuple[int, ...] | None = None) -> Shard:
+        """This pass's shard from ``start``; ``numbered``: its keys go as ``(number, key)``,
+        those delivered (``ShardPosition.keys``) left out."""
         skip = None
         if frontier is not None:
             assert self.options is not None, "only a stream of batches is resumed on a new shape"
             skip = frontier.delivered(self.options)
         return Shard(self.source, self.kind, self.data_path, self.worker, self.num_workers,
                      self.rank, self.world_size, start, keys=self.loads is not None,
-                     delivered=skip)
+                     delivered=skip, numbered=numbered)
 
-    def instances(self, shard: Shard, stage: LoadStage | None,
-                  offload: Offload | None = None) -> Iterable[Any] | Unhooked[Any]:
+    def numbers_keys(self) -> bool:
+        """Whether a stream's keys are numbered, so that a position can say which were
+        delivered: loads finish out of order (``ordered=False``). A BatchSampler's blocks
+        would see the numbers: with one, no position is kept (``state_dict`` refuses)."""
+        return (self.loads is not None and not self.loads.ordered and self.options is not None
+                and self.options.sampler is None)
+
+    def instances(self, shard: Shard, stage: LoadStage | None, offload: Offload | None = None,
+                  *, ordered: bool | None = None) -> Iterable[Any] | Unhooked[Any]:
         """The shard's instances: a plain iterable for a sync source without a load stage;
         else an async iterator (with a load stage, its keys loaded: :class:`SkippedLoad`
         markers for keys skipped on error, so that positions still count them). A sync
@@ -172,7 +193,9 @@ class Pipeline:
             return stream
         else:
             keys = unhooked(_listed(stream, offload))
-        return keys if stage is None else unhooked(stage.stream(keys))
+        if stage is None:
+            return keys
+        return unhooked(stage.stream(keys, ordered=ordered, tagged=shard.numbered))
 
     def batches(self, start: ShardPosition, seed: int, stage: LoadStage | None, *,
                 touch: Touch | None = None,
@@ -180,7 +203,8 @@ class Pipeline:
         """One pass's batches (and block boundaries), from ``start`` on; batches are seeded
         from ``seed``, the pass's."""
         assert self.options is not None
-        shard = self.shard(start.start, start.frontier)
+        numbered = (start.keys or (0,)) if self.numbers_keys() else None
+        shard = self.shard(start.start, start.frontier, numbered)
         cut = ShardPass(shard, self.options, seed, start)
         instances = self.instances(shard, stage, offload)
         if isinstance(instances, Unhooked):
@@ -191,8 +215,9 @@ class Pipeline:
                touch: Touch | None = None,
                offload: Offload | None = None) -> Iterator[list[Any]] | Unhooked[list[Any]]:
         """One pass's instances (and skipped keys' markers), in lists of
-        :data:`INSTANCE_CHUNK`."""
-        instances = self.instances(self.shard(start), stage, offload)
+        :data:`INSTANCE_CHUNK`; in the keys' order (a cache's order must not depend on which
+        load finished first)."""
+        instances = self.instances(self.shard(start), stage, offload, ordered=True)
         if isinstance(instances, Unhooked):
             return unhooked(_async_chunks(instances, touch))
         return _sync_chunks(instances, touch)

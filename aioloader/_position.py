@@ -15,7 +15,7 @@ import itertools
 import json
 import random
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ._errors import ResumeError
@@ -51,6 +51,11 @@ class ShardPosition:
     ``size``: that block's instances, when it was planned whole (shuffled; None: streamed,
     or not known yet). ``frontier``: the pass was resumed on another shape; what the earlier
     shapes delivered is skipped (the pass's every shard has the same).
+
+    ``keys``: loads finish out of order (``ordered=False``), so blocks say nothing; the
+    position is then the keys delivered, counted from ``start`` in this shard's stream:
+    ``(low, *done)``, every key before ``low`` and those ``done`` after it (at most what was
+    in flight). None: a position in blocks.
     """
 
     pass_no: int
@@ -58,20 +63,25 @@ class ShardPosition:
     batches: int = 0
     size: int | None = None
     frontier: Frontier | None = None
+    keys: tuple[int, ...] | None = None
 
     def to_data(self) -> list[Any]:
         return [self.pass_no, *self.start.to_wire(), self.batches, self.size,
-                self.frontier.to_data() if self.frontier is not None else None]
+                self.frontier.to_data() if self.frontier is not None else None,
+                list(self.keys) if self.keys is not None else None]
 
     @classmethod
     def from_data(cls, data: list[Any]) -> ShardPosition:
         pass_no, block, raw, state, batches, *rest = data  # 5 fields: a version 1 state
-        size, frontier = rest if rest else (None, None)
+        size, frontier, keys = rest if rest else (None, None, None)
         return cls(pass_no, BlockStart(block, raw, state), batches, size,
-                   Frontier.from_data(frontier) if frontier is not None else None)
+                   Frontier.from_data(frontier) if frontier is not None else None,
+                   tuple(int(k) for k in keys) if keys is not None else None)
 
 
-# [block, index, start or None, the block's size or None]: where a batch lies, sent with it
+# [block, index, start or None, the block's size or None(, the keys it holds)]: where a
+# batch lies, sent with it; the keys (their numbers in the shard's stream) when loads finish
+# out of order
 Mark = list[Any]
 
 
@@ -80,10 +90,20 @@ class ShardTracker:
 
     def __init__(self, position: ShardPosition) -> None:
         self.position = position
+        keys = position.keys or (0,)
+        self._low = keys[0]  # ordered=False: every key before it was delivered
+        self._done = set(keys[1:])  # and these after it
 
     def delivered(self, mark: Mark) -> None:
-        block, index, start, size = mark
+        block, index, start, size, *keys = mark
         at = self.position
+        if keys:
+            self._done.update(keys[0])
+            while self._low in self._done:
+                self._done.discard(self._low)
+                self._low += 1
+            self.position = replace(at, keys=(self._low, *sorted(self._done)))
+            return
         begin = BlockStart.from_wire(start) if start is not None else at.start
         if begin.block != block:
             raise AssertionError(f"batch {index} of block {block} arrived without the "
@@ -91,7 +111,9 @@ class ShardTracker:
         self.position = ShardPosition(at.pass_no, begin, index + 1, size, at.frontier)
 
     def ended(self) -> None:
-        self.position = ShardPosition(self.position.pass_no + 1)
+        tagged = self.position.keys is not None
+        self.position = ShardPosition(self.position.pass_no + 1, keys=(0,) if tagged else None)
+        self._low, self._done = 0, set()
 
 
 def is_stateful(source: Any) -> bool:
@@ -111,7 +133,8 @@ class Shard:
     def __init__(self, source: Any, kind: Kind, data_path: Any, worker: int,
                  num_workers: int, rank: int, world_size: int,
                  start: BlockStart = PASS_START, *, keys: bool = False,
-                 delivered: Callable[[int], bool] | None = None) -> None:
+                 delivered: Callable[[int], bool] | None = None,
+                 numbered: tuple[int, ...] | None = None) -> None:
         self.index, self.count = shard_spec(source, kind, worker, num_workers, rank,
                                             world_size)
         # A stream of keys (a load stage follows) runs ahead of the instances loaded: the
@@ -131,11 +154,16 @@ class Shard:
                             self.count)
         self._kept: Kept | None = None
         if delivered is not None:  # the pass was resumed on another shape: skip its past
-            self._kept = Kept(self.first, self.count, delivered)
+            self._kept = Kept(self.first, self.count, delivered, track=numbered is None)
             self.stream = self._kept.wrap(self.stream)
+        self.numbered = numbered is not None
+        if numbered is not None:  # (number, key) pairs; the keys delivered are left out
+            self.stream = _numbered(self.stream, numbered[0], frozenset(numbered[1:]))
 
     def mark(self, block: int, taken: int) -> BlockStart:
         """The start of block ``block``, which follows the ``taken``-th instance taken."""
+        if self.numbered:  # a position in numbered keys has no use for block starts
+            return BlockStart(block, self.base, None)
         if self._kept is not None:
             raw = self._kept.after(taken) if taken else self.base
         else:
@@ -152,10 +180,12 @@ class Kept:
     are dropped, and the raw position of each one kept is remembered until the block it
     ends is marked (at most a block, and the load stage's window, are held)."""
 
-    def __init__(self, first: int, count: int, delivered: Callable[[int], bool]) -> None:
+    def __init__(self, first: int, count: int, delivered: Callable[[int], bool], *,
+                 track: bool = True) -> None:
         self._next = first  # the raw position of the next item the stream yields
         self._count = count
         self._delivered = delivered
+        self._track = track  # remember the raw positions kept (for block starts)
         self._raws: collections.deque[int] = collections.deque()
         self._marked = 0
         self._last = -1
@@ -170,7 +200,8 @@ class Kept:
         raw, self._next = self._next, self._next + self._count
         if self._delivered(raw):
             return False
-        self._raws.append(raw)
+        if self._track:
+            self._raws.append(raw)
         return True
 
     def _sync(self, stream: Iterable[Any]) -> Iterator[Any]:
@@ -252,11 +283,13 @@ class Frontier:
     def restart(self) -> BlockStart | None:
         """Where the new shards begin reading: the earliest block start of the last shape's
         shards (with the source's own state there); None: every shard's pass was over."""
-        starts = [p.start for p in self.levels[-1].positions if p is not None]
+        level = self.levels[-1]
+        starts = [(_low(level, k, p), p.start.state) for k, p in enumerate(level.positions)
+                  if p is not None]
         if not starts:
             return None
-        first = min(starts, key=lambda start: start.raw)
-        return BlockStart(0, first.raw, first.state)
+        raw, state = min(starts, key=lambda start: start[0])
+        return BlockStart(0, raw, state)
 
     def delivered(self, options: Batching) -> Callable[[int], bool]:
         """Whether the instance at a raw position was delivered under an earlier shape."""
@@ -270,20 +303,40 @@ class Frontier:
             return False
 
         for level in self.levels:
-            lows = [p.start.raw if p is not None else None for p in level.positions]
+            lows = [_low(level, k, p) if p is not None else None
+                    for k, p in enumerate(level.positions)]
             done: set[int] = set()
             for k, p in enumerate(level.positions):
-                if p is not None and p.batches:
+                if p is not None and p.keys is not None:
+                    if tests:
+                        raise ResumeError(
+                            "with ordered=False a pass resumes on a new shape once: this state "
+                            "was taken in a pass already resumed on another shape. Resume it "
+                            "on the shape it was taken on (the next pass may change again)")
+                    first = _first(level, k, p)
+                    done.update(first + n * level.count for n in p.keys[1:])
+                elif p is not None and p.batches:
                     done.update(_replayed(options, level, k, p, earlier if tests else None))
             tests.append((level.count, lows, done))
         return earlier
 
 
+def _first(level: Level, k: int, p: ShardPosition) -> int:
+    """The raw position of shard ``k``'s first instance from its start."""
+    return p.start.raw + (k - p.start.raw) % level.count
+
+
+def _low(level: Level, k: int, p: ShardPosition) -> int:
+    """Shard ``k`` delivered all its instances before this raw position."""
+    if p.keys is None:
+        return p.start.raw
+    return _first(level, k, p) + p.keys[0] * level.count
+
+
 def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
               earlier: Callable[[int], bool] | None) -> list[int]:
     """The raw positions in the first ``p.batches`` batches of shard ``k``'s block."""
-    count, start = level.count, p.start.raw
-    first = start + (k - start) % count
+    count, first = level.count, _first(level, k, p)
     assert options.batch_size is not None, "a BatchSampler's blocks are not replayed"
     shuffled = options.shuffle
     if shuffled and p.size is None:
@@ -310,6 +363,25 @@ def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
                         sampler=None, rng=random.Random(derive_seed(level.seeds[k],
                                                                     p.start.block)))
     return [raws[i] for batch in plan[: p.batches] for i in batch]
+
+
+def _numbered(stream: Iterable[Any] | AsyncIterable[Any], low: int,
+              done: frozenset[int]) -> Iterable[Any] | AsyncIterable[Any]:
+    """``(n, item)`` for the n-th item of ``stream``, but for those before ``low`` or in
+    ``done`` (delivered before a resume)."""
+    if is_async(stream):
+        return _anumbered(stream, low, done)  # type: ignore[arg-type]
+    return ((n, item) for n, item in enumerate(stream)  # type: ignore[arg-type]
+            if n >= low and n not in done)
+
+
+async def _anumbered(stream: AsyncIterable[Any], low: int,
+                     done: frozenset[int]) -> AsyncIterator[tuple[int, Any]]:
+    n = -1
+    async for item in stream:
+        n += 1
+        if n >= low and n not in done:
+            yield n, item
 
 
 def _from(stream: Iterable[Any] | AsyncIterable[Any], first: int,

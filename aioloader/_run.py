@@ -399,11 +399,13 @@ class Run:
 
     def state_dict(self) -> dict[str, Any]:
         c = self.config
-        if c.loads is not None and not c.loads.ordered and c.kind is not Kind.MAP:
+        if c.lazy and c.loads is not None and not c.loads.ordered and (
+                c.batching.options.sampler is not None):
             raise ResumeError(
-                "state_dict() with ordered=False: loads finish out of order, so no position "
-                "in the keys says what was delivered. Use ordered=True to checkpoint (loads "
-                "still overlap)")
+                "state_dict() with ordered=False and a BatchSampler: loads finish out of "
+                "order and the sampler's blocks depend on their instances, so no position "
+                "says what was delivered. Use ordered=True to checkpoint (loads still "
+                "overlap), or shuffle= without a BatchSampler")
         with self._lock:
             cursor = self._cursor
         return make_state(self.config.fingerprint(), self.seed, cursor, self._cached_count())

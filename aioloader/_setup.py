@@ -107,7 +107,7 @@ class Setup:
                         "cannot tell which shard read which instance: resume on the "
                         "num_workers and world size the state was taken with (or let the "
                         "loader shard a reader)")
-            if c.batching.sampler is not None:
+            if c.batching.options.sampler is not None:
                 return ("a BatchSampler's blocks depend on their instances, so the batches a "
                         "stream delivered cannot be told without reading them again: resume "
                         "on the num_workers and world size the state was taken with")

@@ -4,9 +4,10 @@ subprocess with a hard deadline. Prints one JSON line: the ids it saw and how it
     python heal_victim.py KIND START_METHOD RESTARTS KILL_AFTER [KILL_AFTER ...]
 
 KIND: map | lazy | cached | loads (a lazy reader of keys with an async load) | loads-map
-(a map-style dataset with an async __getitem__). After the consumer took batch number k for
-each KILL_AFTER k (0: before the first batch arrives), it SIGKILLs the worker that built
-that batch (for 0, worker 0) and waits until that process is gone, then goes on.
+(a map-style dataset with an async __getitem__) | loads-unordered (loads, ordered=False).
+After the consumer took batch number k for each KILL_AFTER k (0: before the first batch
+arrives), it SIGKILLs the worker that built that batch (for 0, worker 0) and waits until
+that process is gone, then goes on.
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ def collate(items: list[dict[str, Any]]) -> Any:
 
 
 def make(kind: str, start_method: str, restarts: int) -> aioloader.DataLoader:
-    source: Any = {"map": Items(), "loads": Keys(), "loads-map": AsyncItems()}.get(kind,
-                                                                                 Lines())
-    lazy = 16 if kind in ("lazy", "loads") else None
+    source: Any = {"map": Items(), "loads": Keys(), "loads-map": AsyncItems(),
+                   "loads-unordered": Keys()}.get(kind, Lines())
+    lazy = 16 if kind in ("lazy", "loads", "loads-unordered") else None
     return aioloader.DataLoader(source, batch_size=4, shuffle=True, seed=7, num_workers=2,
                                 start_method=start_method, max_instances_in_memory=lazy,
                                 max_worker_restarts=restarts, collate_fn=collate,
-                                quiet=True)
+                                ordered=kind != "loads-unordered", quiet=True)
 
 
 def gone(pid: int) -> None:

@@ -50,6 +50,19 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_repeated(
 
 
 @pytest.mark.deadline(200)
+def test_ordered_false_heals_with_every_key_once() -> None:
+    """Loads finish out of order: the replacement goes on from the keys delivered (issue 21),
+    so every key arrives once; the order is the loads' own."""
+    result, stderr = victim("loads-unordered", "fork", 1, 5)
+    assert result["error"] is None, result["error"]
+    seen = sorted(i for batch in result["seen"] for i in batch)
+    assert seen == sorted(i for batch in result["reference"] for i in batch)
+    assert len(seen) == len(set(seen))
+    assert result["pids"] >= 3  # the replacement built batches too
+    assert stderr.count("restarting it") == 1
+
+
+@pytest.mark.deadline(200)
 @pytest.mark.parametrize("kind", ["map", "lazy"])
 def test_two_deaths_heal_with_a_budget_of_two(kind: str) -> None:
     result, stderr = victim(kind, "fork", 2, 3, 9)
