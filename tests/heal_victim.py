@@ -71,11 +71,12 @@ def collate(items: list[dict[str, Any]]) -> Any:
     return aioloader.default_collate([dict(it, pid=os.getpid()) for it in items])
 
 
-def make(kind: str, start_method: str, restarts: int) -> aioloader.DataLoader:
+def make(kind: str, start_method: str, restarts: int, workers: int = 2) -> aioloader.DataLoader:
     source: Any = {"map": Items(), "loads": Keys(), "loads-map": AsyncItems(),
                    "loads-unordered": Keys()}.get(kind, Lines())
     lazy = 16 if kind in ("lazy", "loads", "loads-unordered") else None
-    return aioloader.DataLoader(source, batch_size=4, shuffle=True, seed=7, num_workers=2,
+    return aioloader.DataLoader(source, batch_size=4, shuffle=True, seed=7,
+                                num_workers=workers,
                                 start_method=start_method, max_instances_in_memory=lazy,
                                 max_worker_restarts=restarts, collate_fn=collate,
                                 ordered=kind != "loads-unordered", quiet=True)
@@ -98,10 +99,16 @@ def gone(pid: int) -> None:
 def main() -> None:
     kind, start_method, restarts, *kills = sys.argv[1:]
     after = sorted(int(k) for k in kills)
+    kind, reshaped = kind.removesuffix("-reshaped"), kind.endswith("-reshaped")
     with make(kind, start_method, 0) as uninterrupted:  # closed: its workers must not be
         reference = [b["i"].tolist() for b in uninterrupted]  # taken for the victims
-    loader = make(kind, start_method, int(restarts))
     seen: list[list[int]] = []
+    loader = make(kind, start_method, int(restarts))
+    if reshaped:  # 3 workers took 4 batches; these 2 go on from that state (issue 21)
+        with make(kind, start_method, 0, workers=3) as before:
+            batches = iter(before)
+            seen = [next(batches)["i"].tolist() for _ in range(4)]
+            loader.load_state_dict(before.state_dict())
     error = None
     pids: set[int] = set()
     try:
@@ -118,7 +125,7 @@ def main() -> None:
             after = after[1:]
         else:
             batches = iter(loader)
-        for n, batch in enumerate(batches, len(seen) + 1):
+        for n, batch in enumerate(batches, len(seen) + 1 - 4 * reshaped):
             seen.append(batch["i"].tolist())
             pids.update(batch["pid"].tolist())
             if after and n == after[0]:

@@ -63,6 +63,19 @@ def test_ordered_false_heals_with_every_key_once() -> None:
 
 
 @pytest.mark.deadline(200)
+@pytest.mark.parametrize("kind", ["lazy", "loads-unordered", "map"])
+def test_a_worker_killed_after_a_resume_on_another_shape_heals(kind: str) -> None:
+    """3 workers took 4 batches; 2 workers go on from that state, and one is killed."""
+    result, stderr = victim(f"{kind}-reshaped", "fork", 1, 3)
+    assert result["error"] is None, result["error"]
+    seen = sorted(i for batch in result["seen"] for i in batch)
+    assert seen == sorted(i for batch in result["reference"] for i in batch)
+    if kind == "map":  # index batches do not depend on workers: the same batches
+        assert result["seen"] == result["reference"]
+    assert stderr.count("restarting it") == 1
+
+
+@pytest.mark.deadline(200)
 @pytest.mark.parametrize("kind", ["map", "lazy"])
 def test_two_deaths_heal_with_a_budget_of_two(kind: str) -> None:
     result, stderr = victim(kind, "fork", 2, 3, 9)

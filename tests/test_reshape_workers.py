@@ -156,3 +156,51 @@ def test_a_stream_that_splits_itself_is_refused_with_what_to_do() -> None:
         resumed.load_state_dict(state)
     finally:
         resumed.close()
+
+
+@pytest.mark.parametrize("loads", [False, True])
+def test_recycled_workers_of_a_resumed_stream_keep_every_instance_once(loads: bool) -> None:
+    """Workers retire every 2 batches (at a block boundary): each successor goes on from the
+    resumed pass's position, what the old shape delivered still skipped."""
+    n = 53
+
+    class Keys(aioloader.Reader):
+        def read(self, data_path: Any) -> Any:
+            yield from range(n)
+
+    def make(workers: int, recycle: int | None = None) -> aioloader.DataLoader:
+        extra: dict[str, Any] = {"load_fn": lambda k: {"i": k}} if loads else {}
+        source = Keys() if loads else SyncReader(n)
+        return aioloader.DataLoader(source, batch_size=2, shuffle=True, seed=3,
+                                    num_workers=workers, max_instances_in_memory=4,
+                                    max_batches_per_worker=recycle, quiet=True, **extra)
+
+    loader = make(3)
+    try:
+        batches = iter(loader)
+        seen = [i for _ in range(5) for i in ids(next(batches))]
+        state = json.loads(json.dumps(loader.state_dict()))
+    finally:
+        loader.close()
+    resumed = make(2, recycle=2)
+    try:
+        resumed.load_state_dict(state)
+        seen += [i for b in resumed for i in ids(b)]
+        assert resumed.stats().recycles > 0
+    finally:
+        resumed.close()
+    assert collections.Counter(seen) == collections.Counter(range(n))
+
+
+def test_a_bucket_sampler_over_a_stream_on_a_new_shape_is_refused() -> None:
+    def make(workers: int) -> aioloader.DataLoader:
+        sampler = aioloader.BucketBatchSampler(batch_size=2, sorting_keys=["tokens"])
+        return aioloader.DataLoader(SyncReader(30), batch_sampler=sampler,
+                                    num_workers=workers, max_instances_in_memory=6,
+                                    quiet=True)
+
+    with make(2) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with pytest.raises(aioloader.ResumeError, match="BatchSampler's blocks depend"):
+        make(1).load_state_dict(state)
