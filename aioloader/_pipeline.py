@@ -91,6 +91,7 @@ class ShardPass:
         self._skip = start.batches if start is not None else 0
         self.emitted = 0
         self._loose: list[int] = []  # numbered keys skipped on error, for the next mark
+        self._gap = -1  # the last block with a key skipped on error (its batches skip it)
 
     def take(self, instance: Any) -> list[Step]:
         """Take one instance (or a skipped key's marker; a numbered stream's ``(number,
@@ -103,6 +104,7 @@ class ShardPass:
             groups = []
             if self.shard.numbered:
                 self._loose.append(instance[0])
+            self._gap = self.batcher.block
         else:
             groups = self.batcher.feed(instance)
         steps: list[Step] = self._marked(groups) if groups else []
@@ -126,6 +128,8 @@ class ShardPass:
             if self.shard.numbered:  # the keys it holds (and those skipped since the last)
                 mark.append([n for n, _ in items] + self._loose)
                 items, self._loose = [x for _, x in items], []
+            elif block == self._gap:  # its instances are not the block's first keys in a row
+                mark += [None, True]
             out.append(Batch(items, mark))
         self.emitted += len(out)
         return out

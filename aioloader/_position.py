@@ -52,6 +52,9 @@ class ShardPosition:
     or not known yet). ``frontier``: the pass was resumed on another shape; what the earlier
     shapes delivered is skipped (the pass's every shard has the same).
 
+    ``gap``: a key of the block was skipped on error, so its batches are not a replay of its
+    first instances (a new shape refuses it).
+
     ``keys``: loads finish out of order (``ordered=False``), so blocks say nothing; the
     position is then the keys delivered, counted from ``start`` in this shard's stream:
     ``(low, *done)``, every key before ``low`` and those ``done`` after it (at most what was
@@ -64,24 +67,25 @@ class ShardPosition:
     size: int | None = None
     frontier: Frontier | None = None
     keys: tuple[int, ...] | None = None
+    gap: bool = False  # a key of the block was skipped on error: it cannot be replayed
 
     def to_data(self) -> list[Any]:
         return [self.pass_no, *self.start.to_wire(), self.batches, self.size,
                 self.frontier.to_data() if self.frontier is not None else None,
-                list(self.keys) if self.keys is not None else None]
+                list(self.keys) if self.keys is not None else None, self.gap]
 
     @classmethod
     def from_data(cls, data: list[Any]) -> ShardPosition:
         pass_no, block, raw, state, batches, *rest = data  # 5 fields: a version 1 state
-        size, frontier, keys = rest if rest else (None, None, None)
+        size, frontier, keys, gap = rest if rest else (None, None, None, False)
         return cls(pass_no, BlockStart(block, raw, state), batches, size,
                    Frontier.from_data(frontier) if frontier is not None else None,
-                   tuple(int(k) for k in keys) if keys is not None else None)
+                   tuple(int(k) for k in keys) if keys is not None else None, bool(gap))
 
 
-# [block, index, start or None, the block's size or None(, the keys it holds)]: where a
-# batch lies, sent with it; the keys (their numbers in the shard's stream) when loads finish
-# out of order
+# [block, index, start or None, the block's size or None(, keys, gap)]: where a batch lies,
+# sent with it; keys: the numbers in the shard's stream of the keys it holds, when loads
+# finish out of order; gap: True when a key of its block was skipped on error before it
 Mark = list[Any]
 
 
@@ -95,10 +99,11 @@ class ShardTracker:
         self._done = set(keys[1:])  # and these after it
 
     def delivered(self, mark: Mark) -> None:
-        block, index, start, size, *keys = mark
+        block, index, start, size, *more = mark
+        keys, gap = [*more, None, False][:2]
         at = self.position
-        if keys:
-            self._done.update(keys[0])
+        if keys is not None:
+            self._done.update(keys)
             while self._low in self._done:
                 self._done.discard(self._low)
                 self._low += 1
@@ -108,7 +113,8 @@ class ShardTracker:
         if begin.block != block:
             raise AssertionError(f"batch {index} of block {block} arrived without the "
                                  f"block's start (position {self.position})")
-        self.position = ShardPosition(at.pass_no, begin, index + 1, size, at.frontier)
+        self.position = ShardPosition(at.pass_no, begin, index + 1, size, at.frontier,
+                                      gap=bool(gap))
 
     def ended(self) -> None:
         tagged = self.position.keys is not None
@@ -336,6 +342,11 @@ def _low(level: Level, k: int, p: ShardPosition) -> int:
 def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
               earlier: Callable[[int], bool] | None) -> list[int]:
     """The raw positions in the first ``p.batches`` batches of shard ``k``'s block."""
+    if p.gap:
+        raise ResumeError(
+            "a key was skipped on error (on_error='skip') in the block a stream's state was "
+            "taken in, so the batches it delivered cannot be told on a new shape: resume it "
+            "on the num_workers and world size it was taken with, or from a later state")
     count, first = level.count, _first(level, k, p)
     assert options.batch_size is not None, "a BatchSampler's blocks are not replayed"
     shuffled = options.shuffle

@@ -145,6 +145,7 @@ class Setup:
                 seeds.append(worker_seed(spec, pass_no, w))
         level = Level(first.world_size * per_rank, tuple(positions), tuple(seeds))
         frontier = Frontier((*(earlier.levels if earlier else ()), level))
+        frontier.delivered(self.config.batching.options)  # what cannot be replayed: here
         start = frontier.restart() or PASS_START  # (no shard left: every instance is skipped)
         return StreamPosition(
             tuple(ShardPosition(pass_no, start, frontier=frontier)

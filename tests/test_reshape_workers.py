@@ -204,3 +204,35 @@ def test_a_bucket_sampler_over_a_stream_on_a_new_shape_is_refused() -> None:
         state = loader.state_dict()
     with pytest.raises(aioloader.ResumeError, match="BatchSampler's blocks depend"):
         make(1).load_state_dict(state)
+
+
+def test_a_key_skipped_in_the_block_of_the_state_refuses_a_new_shape() -> None:
+    """Its block's batches are not its first keys in a row, so a new shape could not tell
+    them: refused, not guessed. The same shape still resumes (the block is read again)."""
+    class Flaky(aioloader.Reader):
+        def read(self, data_path: Any) -> Any:
+            yield from range(40)
+
+    def load(key: int) -> dict[str, int]:
+        if key == 1:
+            raise ValueError("a bad record")
+        return {"i": key}
+
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(Flaky(), batch_size=2, shuffle=True, seed=1,
+                                    num_workers=workers, max_instances_in_memory=8,
+                                    load_fn=load, on_error="skip", quiet=True)
+
+    import logging
+    logging.getLogger("aioloader").disabled = True
+    try:
+        with make(1) as loader:
+            next(iter(loader))  # block 0 holds key 1, skipped
+            state = loader.state_dict()
+        with pytest.raises(aioloader.ResumeError, match="skipped on error"):
+            make(2).load_state_dict(state)
+        with make(1) as loader:
+            loader.load_state_dict(state)
+            assert 1 not in [i for b in loader for i in ids(b)]
+    finally:
+        logging.getLogger("aioloader").disabled = False
