@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
@@ -54,7 +54,7 @@ class Workers:
     """Where batches are built: how many workers, of what kind, and their limits."""
 
     num_workers: int
-    worker_type: str  # "process" or "thread"
+    worker_type: str  # "process", "thread" or "ray"
     start_method: str  # torch's multiprocessing_context resolved
     nice: int  # worker_nice
     prefetch: int  # as asked (torch's prefetch_factor resolved)
@@ -66,6 +66,7 @@ class Workers:
     init_fn: Callable[[int], object] | None  # torch's worker_init_fn
     persistent: bool  # persistent_workers
     progress: bool  # a timeout is set: workers report progress, nothing runs inline
+    ray_options: Mapping[str, Any] | None = None  # worker_type="ray": each actor's options
 
     @property
     def threaded(self) -> bool:
@@ -75,7 +76,8 @@ class Workers:
     def warm_start(self) -> str | None:
         """The start method whose interpreters start when the loader is made (spawn's
         standbys, the forkserver), so that their imports overlap the script's set-up."""
-        if self.num_workers == 0 or self.threaded or self.start_method == "fork":
+        if (self.num_workers == 0 or self.worker_type != "process"
+                or self.start_method == "fork"):
             return None
         return self.start_method
 
@@ -200,7 +202,8 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         slots=_slots(a["prefetch"], a["batch_size"], kind, loads), zero_copy=a["zero_copy"],
         max_restarts=a["max_worker_restarts"], max_batches=a["max_batches_per_worker"],
         max_rss=a["max_worker_rss"], init_fn=a["worker_init_fn"],
-        persistent=a["persistent_workers"], progress=a["timeout"] is not None)
+        persistent=a["persistent_workers"], progress=a["timeout"] is not None,
+        ray_options=a["ray_options"])
     output = Output(device=a["device"], pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
                     quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
     given = Given(

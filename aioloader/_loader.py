@@ -44,6 +44,14 @@ class DataLoader:
     cannot be killed). With the GIL, processes won or tied on throughput in every workload
     measured (docs/performance.md).
 
+    ``worker_type="ray"`` runs each worker as a Ray actor, placed by Ray's scheduler in the
+    caller's Ray context (``ray.init(address=...)``; without one, a local Ray starts):
+    same batches, seeds, sharding and order as worker processes, each batch built where
+    its actor runs and handed over through Ray's object store (docs/beyond.md).
+    ``ray_options`` (a dict) goes to each actor's ``.options()``: ``num_cpus`` (default
+    1), ``resources``, ``scheduling_strategy``, ``runtime_env``. Needs
+    ``pip install aioloader[ray]``.
+
     ``worker_nice`` (0 to 19) lowers the worker processes' CPU priority (``os.nice`` in each):
     where they keep every core busy, the consumer gets a core as soon as it wakes. Left unset
     (None), it is 19 when worker processes are as many as the cores this process may run on
@@ -85,6 +93,7 @@ class DataLoader:
         max_instances_in_memory: int | None = None,
         start_method: str = "fork",
         worker_type: str = "process",
+        ray_options: dict[str, Any] | None = None,
         worker_nice: int | None = None,
         cuda_device: DeviceLike | None = None,
         quiet: bool | None = None,
@@ -135,6 +144,7 @@ class DataLoader:
     even_batches: Option[bool] = Option("batching.even_batches")
     num_workers: Option[int] = Option("workers.num_workers")
     worker_type: Option[str] = Option("workers.worker_type")
+    ray_options: Option[Mapping[str, Any] | None] = Option("workers.ray_options")
     start_method: Option[str] = Option("workers.start_method")
     worker_nice: Option[int] = Option("workers.nice")
     prefetch: Option[int] = Option("workers.prefetch")

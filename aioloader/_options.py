@@ -3,6 +3,7 @@ them, before anything is read or started (issue 19). ``_config.build_config`` ru
 
 from __future__ import annotations
 
+import importlib.util
 import numbers
 import operator
 import os
@@ -17,7 +18,12 @@ from ._samplers import BatchSampler
 from ._sources import Kind
 
 START_METHODS = ("fork", "spawn", "forkserver")
-WORKER_TYPES = ("process", "thread")
+WORKER_TYPES = ("process", "thread", "ray")
+RAY_MISSING = ("worker_type='ray' needs Ray, which is not installed: pip install "
+               "'aioloader[ray]' (or pip install ray==2.60.0), or use worker_type='process'")
+# Actor options that aioloader sets itself (see _ray.py): a dead actor is healed from the
+# consumer's position (max_worker_restarts); Ray replaying its calls would deliver twice.
+RAY_RESERVED = ("max_restarts", "max_task_retries", "max_concurrency", "concurrency_groups")
 DEFAULT_PREFETCH = 4
 FULL_NICE = 19  # worker_nice's default where worker processes fill every core (issue 23)
 
@@ -50,6 +56,7 @@ def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[st
         least=1)
     _choice("start_method", a["start_method"], START_METHODS)
     _choice("worker_type", a["worker_type"], WORKER_TYPES)
+    a["ray_options"] = _ray_options(a.get("ray_options"))  # optional: a newer argument
     a["device"] = _device(a.pop("cuda_device"))
     if a["quiet"] is not None:
         _flag("quiet", a["quiet"], "True, False or None")
@@ -104,6 +111,7 @@ def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
               max_instances_in_memory=a["max_instances_in_memory"])
     _torch_samplers(kind, sampler=a["sampler"], shuffle=a["shuffle"],
                     batch_sampler=a["batch_sampler"])
+    _ray_rules(a["worker_type"], a["ray_options"])
     _process_only(a["worker_type"], max_worker_restarts=a["max_worker_restarts"],
                   max_batches_per_worker=a["max_batches_per_worker"],
                   max_worker_rss=a["max_worker_rss"])
@@ -136,7 +144,7 @@ def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> in
         return FULL_NICE if fills else 0
     checked = _int("worker_nice", nice, "an int from 0 to 19 (added to each worker process's "
                    "niceness with os.nice), or None", least=0, most=19)
-    if checked and (num_workers == 0 or worker_type == "thread"):
+    if checked and (num_workers == 0 or worker_type != "process"):
         raise ValueError(
             f"worker_nice={checked} applies to worker processes, and this loader has none "
             f"({'num_workers=0' if num_workers == 0 else 'worker_type=' + repr(worker_type)}"
@@ -360,3 +368,32 @@ def _process_only(worker_type: str, **options: int | None) -> None:
                 "this process's memory (no resident size of their own to watch) and cannot "
                 "be killed, so they are never restarted or recycled. Use "
                 "worker_type='process' for that")
+
+
+def _ray_options(options: Any) -> dict[str, Any] | None:
+    """``ray_options``: keyword arguments of each actor's ``.options()`` (``num_cpus``,
+    ``resources``, ``scheduling_strategy``, ``runtime_env``, ...), as a dict of its own."""
+    if options is None:
+        return None
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ArgumentTypeError(
+            "ray_options must be a dict of Ray actor options (such as {'num_cpus': 2, "
+            f"'resources': {{'decode': 1}}}}) or None, got {_got(options)}")
+    reserved = [k for k in options if k in RAY_RESERVED]
+    if reserved:
+        raise ValueError(
+            f"ray_options cannot set {', '.join(reserved)}: aioloader runs each actor's calls "
+            "one at a time, in order, and heals a dead actor itself from the consumer's "
+            "position. Use max_worker_restarts=N for restarts")
+    return dict(options)
+
+
+def _ray_rules(worker_type: str, ray_options: dict[str, Any] | None) -> None:
+    if worker_type != "ray":
+        if ray_options is not None:
+            raise ValueError(f"ray_options applies to worker_type='ray' only (got "
+                             f"worker_type={worker_type!r}): pass worker_type='ray' to run "
+                             "the workers as Ray actors, or leave ray_options unset")
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise ImportError(RAY_MISSING)

@@ -13,7 +13,7 @@ import collections
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ._errors import ResumeError
 from ._loads import ALL_SKIPPED, SkippedLoad
@@ -23,9 +23,30 @@ from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ._session import Delivered, PassDone, Step
 from ._sources import shard_spec
 from ._stats import ArenaStats, WorkerStats
-from ._supervisor import Ended, Received, Supervisor
+from ._supervisor import Arrival, Ended, Received
+from ._worker import WorkerSpec
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking: a thread)
+
+
+class Pool(Protocol):
+    """What the producers use of a supervisor: worker processes or threads
+    (``_supervisor.Supervisor``), or Ray actors (``_ray.RaySupervisor``)."""
+
+    spec: WorkerSpec
+    num_workers: int
+    last_heard: float
+
+    async def start(self) -> None: ...
+    async def receive(self, worker_id: int, *, lease: bool = True) -> Arrival: ...
+    def request(self, worker_id: int, seq: int, indices: list[int]) -> None: ...
+    async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None: ...
+    def attach(self) -> None: ...
+    def detach(self) -> None: ...
+    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]: ...
+    def describe(self, worker_ids: list[int]) -> str: ...
+    async def aclose(self, grace: float) -> None: ...
+    def close(self, grace: float) -> None: ...
 
 
 class CachedInstances(Sequence[Any]):
@@ -100,7 +121,7 @@ def _delivered(got: Received) -> Delivered:
 class _OnWorkers:
     """A producer whose work happens in a supervisor's workers."""
 
-    sup: Supervisor
+    sup: Pool
 
     async def start(self) -> None:
         await self.sup.start()
@@ -131,7 +152,7 @@ class WorkerStream(_OnWorkers):
     and whose turn it is) is enough to resume it exactly.
     """
 
-    def __init__(self, sup: Supervisor, start: StreamPosition) -> None:
+    def __init__(self, sup: Pool, start: StreamPosition) -> None:
         self.sup = sup
         self.n = sup.num_workers
         self._shards = [ShardTracker(p) for p in start.shards]
@@ -196,7 +217,7 @@ class WorkerIndex(_OnWorkers):
     ``slots`` requests are outstanding per worker, which is also how many slots it has.
     """
 
-    def __init__(self, sup: Supervisor, plan: Plan, first_pass: int, slots: int, *,
+    def __init__(self, sup: Pool, plan: Plan, first_pass: int, slots: int, *,
                  plan_ahead: bool = True, skip: int = 0) -> None:
         self.sup = sup
         self.n = sup.num_workers
@@ -256,7 +277,7 @@ class WorkerInstances(_OnWorkers):
     when the loader shards (worker k holds positions k, k + n, ...).
     """
 
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: Pool) -> None:
         self.sup = sup
         self._bufs: list[collections.deque[Any]] = [collections.deque()
                                                     for _ in range(sup.num_workers)]

@@ -17,7 +17,14 @@ from ._local import LocalIndex, LocalInstances, LocalStream
 from ._phases import RestartBudget
 from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
 from ._position import PASS_START, Frontier, Level, ShardPosition, StreamPosition
-from ._producers import CachedInstances, Plan, WorkerIndex, WorkerInstances, WorkerStream
+from ._producers import (
+    CachedInstances,
+    Plan,
+    Pool,
+    WorkerIndex,
+    WorkerInstances,
+    WorkerStream,
+)
 from ._reshape import local_plan, split_plan
 from ._session import Producer
 from ._sources import Kind
@@ -172,7 +179,7 @@ class Setup:
         return agreed
 
     def _supervisor(self, role: Role, source: Any, kind: Kind, first_pass: int,
-                    starts: tuple[ShardPosition, ...] | None = None) -> Supervisor:
+                    starts: tuple[ShardPosition, ...] | None = None) -> Pool:
         c, w = self.config, self.config.workers
         if role == "instances":  # a cache-filling pass is read once: recycling is for epochs
             w = replace(w, max_batches=None, max_rss=None)
@@ -183,6 +190,10 @@ class Setup:
             first_pass=first_pass,
             parent_pid=os.getpid() if w.start_method != "forkserver" else 0,
             starts=starts, loads=self._loads_of(source))
+        if w.worker_type == "ray":  # actors on a Ray cluster, behind the same interface
+            from ._ray import RaySupervisor  # Ray is optional: imported only when used
+
+            return RaySupervisor(spec, w.num_workers, budget=self.budget, skips=self.skips)
         return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,
                           budget=self.budget, skips=self.skips, standby=self.standby)
 

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 class WorkerStats:
     """One worker process, from its start to its latest batch: ``batches_per_s`` it handed
     over, and ``busy``, the share of that time it spent building batches (the rest it
-    waited for a free slot, or for work)."""
+    waited for a free slot, or for work). ``node``: the Ray node of a Ray worker's actor."""
 
     worker: int
     pid: int | None
     batches: int
     batches_per_s: float
     busy: float
+    node: str | None = None  # worker_type="ray": the Ray node its actor runs on
 
 
 @dataclass(frozen=True)

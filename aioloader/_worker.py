@@ -423,7 +423,7 @@ async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = Non
                       spec.rank, spec.world_size)
     set_worker_info(info, dataset=spec.source, thread=spec.workers.threaded)
     if not spec.workers.threaded:  # a thread would reseed the user's own process
-        _seed_everything(info.seed)
+        seed_everything(info.seed)
     try:
         if spec.workers.init_fn is not None:
             # As torch: after the seeds and worker info, before any data is read; in every
@@ -473,17 +473,28 @@ async def _report(chan: _Channel, exc: BaseException, shelf: Shelf | None) -> No
     if shelf is not None:
         shelf.error = exc  # the parent is in this process: the exception itself
     else:
-        try:
-            pickled = pickle.dumps(exc)
-            pickle.loads(pickled)
-        except Exception:  # noqa: BLE001 - the traceback text still reaches the parent
-            pickled = None
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        pickled = pickled_error(exc)
     with contextlib.suppress(OSError):
-        await chan.send(wire.Failed(repr(exc), tb, pickled))
+        await chan.send(wire.Failed(repr(exc), traceback_text(exc), pickled))
 
 
-def _seed_everything(seed: int) -> None:
+def pickled_error(exc: BaseException) -> bytes | None:
+    """``exc`` pickled, if it survives the round trip (None: the parent gets its text)."""
+    try:
+        pickled = pickle.dumps(exc)
+        pickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - the traceback text still reaches the parent
+        return None
+    return pickled
+
+
+def traceback_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def seed_everything(seed: int) -> None:
+    """A worker's global RNGs (Python's, torch's, numpy's) seeded for its worker and pass;
+    a Ray actor's process is ours too, so it is seeded the same way."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -556,7 +567,7 @@ async def _run_stream(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
         set_worker_info(WorkerInfo(spec.workers.num_workers, spec.worker_id, seed, spec.rank,
                                    spec.world_size), dataset=spec.source, thread=threaded)
         if seed != seeded and not threaded:  # not again: worker_init_fn's seeding stays
-            _seed_everything(seed)
+            seed_everything(seed)
         seeded = -1
         sent = 0
         due = False

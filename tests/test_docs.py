@@ -15,7 +15,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCUMENTS = ["README.md", "docs/guide.md", "docs/resume.md", "docs/loads.md", "docs/migrating.md"]
+DOCUMENTS = ["README.md", "docs/guide.md", "docs/resume.md", "docs/loads.md", "docs/migrating.md",
+             "docs/beyond.md"]
 TIMEOUT = 120
 BLOCK = re.compile(r"(?P<marker><!-- no-test -->\s*\n)?```python\n(?P<code>.*?)\n```", re.S)
 

@@ -18,9 +18,9 @@ LAYERS = [
     ["_run"],
     ["_setup"],
     ["_producers", "_local"],
-    ["_supervisor"],
+    ["_supervisor", "_ray"],
     ["_phases", "_starting", "_threads"],
-    ["_worker"],
+    ["_worker", "_ray_actor"],
 ]
 
 

@@ -126,6 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "nicer than the consumer's; the peers' workers are left as they are "
                         "(default: the loader's own, 19 when the workers are as many as the "
                         "usable cores, else 0)")
+    parser.add_argument("--worker-type", choices=("process", "ray"), default="process",
+                        help="aioloader's workers on the throughput workloads (default "
+                        "process). 'ray': Ray actors on a local Ray started in each run "
+                        "(pip install aioloader[ray]); aioloader with worker processes runs "
+                        "beside it in the same pairs, and the table adds Ray against "
+                        "processes and Ray's cost per batch (docs/beyond.md)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing "
@@ -169,6 +175,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                     worker_type="process")
     except ValueError as exc:
         parser.error(f"--worker-nice {args.worker_nice}: {exc}")
+    if args.worker_type == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            parser.error("--worker-type ray: Ray is not installed (pip install "
+                         "'aioloader[ray]')")
+        if args.num_workers == 0:
+            parser.error("--worker-type ray needs --num-workers 1 or more")
     batches = default_batches(args.quick)
     if args.batches is not None:
         batches = dict.fromkeys(batches, args.batches)
@@ -181,7 +195,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     plan = Plan(num_workers=args.num_workers, start_method=args.start_method, pairs=pairs,
                 batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout),
                 peers=peers, collate=args.collate, lag=args.lag, worker_nice=args.worker_nice,
-                lag_min_s=LAG_MIN_S / 10 if args.quick else LAG_MIN_S)
+                lag_min_s=LAG_MIN_S / 10 if args.quick else LAG_MIN_S,
+                worker_type=args.worker_type)
     if args.lag and not any(w in WORKLOADS for w in workloads):
         notes.append(f"--lag: no throughput workload to run beside ({', '.join(WORKLOADS)}); "
                      f"{LAG!r} measures image's lag on its own")
@@ -195,6 +210,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               + (f", aioloader worker_nice={nice}" if nice else "")
               + (" (its default)" if nice and plan.worker_nice is None else "")
               + (f", peers: {', '.join(peers)}" if args.peers else "")
+              + (", aioloader on Ray workers (beside: on worker processes)"
+                 if plan.worker_type == "ray" else "")
               + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
         machine = isolated(Spec(kind="refs", loop=plan.loop), plan.timeout)
@@ -247,7 +264,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        "loop": plan.loop, "workloads": list(args.workloads),
                        "peers": list(plan.peers), "collate": plan.collate,
                        "lag": plan.lag, "lag_min_s": plan.lag_min_s,
-                       "worker_nice": nice},
+                       "worker_nice": nice, "worker_type": plan.worker_type},
             "machine": machine,
             "workloads": raw,
             # --quick judges nothing: its targets carry "passed": null

@@ -4,6 +4,7 @@ the machine's references."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -12,7 +13,7 @@ import platform
 import resource
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -57,6 +58,7 @@ class Spec:
     min_s: float = 0.0  # lag runs: stream at least this long
     worker_nice: int | None = None  # aioloader's (--worker-nice; None: its default); the
     # peers run as they are
+    worker_type: str = "process"  # aioloader's: "ray" runs its workers as Ray actors
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -123,11 +125,28 @@ class Clock:
 def _throughput(spec: Spec) -> Result:
     workload = WORKLOADS[spec.workload]
     dataset = workload.dataset(spec.batches * workload.batch_size)
-    gc.collect()
-    rss = _PeakRss()
-    clock = per_side(spec, workload, dataset, peer=_peer_epochs, sync=_aio_sync_epochs,
-                     aio=_aio_async_epochs)
+    with _ray_for(spec):
+        gc.collect()
+        rss = _PeakRss()
+        clock = per_side(spec, workload, dataset, peer=_peer_epochs, sync=_aio_sync_epochs,
+                         aio=_aio_async_epochs)
     return {**clock.figures(), "peak_rss_mb": rss.growth_mb()}
+
+
+@contextlib.contextmanager
+def _ray_for(spec: Spec) -> Iterator[None]:
+    """A local Ray for a run with Ray workers, started before its clock (its start is
+    seconds, and no loader's) and shut down after, so that the run leaves no process."""
+    if spec.side != "aioloader" or spec.worker_type != "ray":
+        yield
+        return
+    import ray
+
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def per_side(spec: Spec, workload: Workload, dataset: Any, *,
@@ -182,7 +201,7 @@ def aio_loader(spec: Spec, workload: Workload, dataset: Any) -> aioloader.DataLo
     return aioloader.DataLoader(
         dataset, batch_size=workload.batch_size, num_workers=spec.num_workers,
         start_method=spec.start_method, collate_fn=collate, quiet=True, seed=0,
-        worker_nice=spec.worker_nice)
+        worker_nice=spec.worker_nice, worker_type=spec.worker_type)
 
 
 def peer_setup(spec: Spec, workload: Workload) -> Setup:

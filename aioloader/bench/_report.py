@@ -10,7 +10,7 @@ from typing import Any
 
 from ._measure import Result
 from ._peers import PEERS
-from ._runner import LAG_SIDES, LAGGED, LAGGED_SIDES, ZERO
+from ._runner import LAG_SIDES, LAGGED, LAGGED_SIDES, PROCESS, ZERO
 from ._workloads import FIRST, LAG
 
 THROUGHPUT_METRICS = (
@@ -130,11 +130,28 @@ def summarise(workload: str, runs: dict[str, list[Result]]) -> list[Row]:
     if ZERO in runs:
         rows.insert(1, _row(workload, "batches_per_s", "batches/s @0 workers", runs[ZERO], [],
                             ZERO))
+    if PROCESS in runs:  # --worker-type ray: the aioloader column is Ray's
+        rows[1:1] = ray_rows(workload, runs["aioloader"], runs[PROCESS])
     lag_ours, lag_torch = LAGGED_SIDES
     if lag_ours in runs:  # --lag: the ticker's lateness beside torch consumed in the loop
         rows += [_row(workload, metric, f"{label} [direct]", runs[lag_ours], runs[lag_torch],
                       lag_torch.removeprefix(LAGGED))
                  for metric, label in LAG_METRICS if metric != "batches_per_s"]
+    return rows
+
+
+def ray_rows(workload: str, ray: Sequence[Result], process: Sequence[Result]) -> list[Row]:
+    """Ray workers (the aioloader column) against worker processes (the torch column), and
+    what Ray costs per batch: 1/rate(Ray) - 1/rate(processes) of each pair, in ms."""
+    rows = [_row(workload, metric, f"{label} ray|process", ray, process, PROCESS)
+            for metric, label in (("batches_per_s", "batches/s"),
+                                  ("cpu_ms_per_batch", "main CPU ms/batch"))]
+    costs = [1e3 / r - 1e3 / p for r, p in zip(_values(ray, "batches_per_s"),
+                                                _values(process, "batches_per_s"),
+                                                strict=False) if r > 0 and p > 0]
+    rows.append(Row(workload, "ray_ms_per_batch", "ray cost ms/batch", median(costs),
+                    math.nan, math.nan, min(costs, default=math.nan),
+                    max(costs, default=math.nan), PROCESS))
     return rows
 
 

@@ -21,6 +21,7 @@ from ._workloads import FIRST, FIRST_BATCHES, LAG, WORKLOADS, CollateChoice
 
 LAG_SIDES = ("aioloader", "torch-direct", "torch-executor")
 ZERO = "aioloader@0"  # aioloader with num_workers=0 (the tiny workload's extra reference)
+PROCESS = "aioloader@process"  # --worker-type ray: aioloader with worker processes, beside
 # --lag: a throughput workload's lag runs, in the same pairs as its throughput runs
 LAGGED = "lag:"  # prefix of those sides
 LAGGED_SIDES = (f"{LAGGED}aioloader", f"{LAGGED}torch-direct")
@@ -48,6 +49,7 @@ class Plan:
     lag_min_s: float = LAG_MIN_S
     worker_nice: int | None = None  # aioloader's worker processes only (--worker-nice);
     # None: the loader's default
+    worker_type: str = "process"  # aioloader's, on the throughput workloads (--worker-type)
 
 
 def isolated(spec: Spec, timeout: float) -> Result:
@@ -181,17 +183,20 @@ def _describe(spec: Spec) -> str:
 
 
 def sides(workload: str, num_workers: int, peers: tuple[str, ...] = (),
-          lag: bool = False) -> tuple[str, ...]:
+          lag: bool = False, worker_type: str = "process") -> tuple[str, ...]:
     """The sides measured for ``workload``, in the order each pair runs them; with ``lag``,
-    a throughput workload's lag runs too (``LAGGED_SIDES``)."""
+    a throughput workload's lag runs too (``LAGGED_SIDES``); with Ray workers, aioloader
+    with worker processes too (``PROCESS``), in the same pairs."""
     if workload == LAG:
         return LAG_SIDES
     if workload == FIRST:
         return ("aioloader", "torch", *peers)
     lagged = LAGGED_SIDES if lag else ()
+    ours = ("aioloader", PROCESS) if worker_type == "ray" and num_workers > 0 else (
+        "aioloader",)
     if workload == "tiny" and num_workers > 0:
-        return ("aioloader", "torch", ZERO, *peers, *lagged)
-    return ("aioloader", "torch", *peers, *lagged)
+        return (*ours, "torch", ZERO, *peers, *lagged)
+    return (*ours, "torch", *peers, *lagged)
 
 
 def spec_for(plan: Plan, workload: str, side: str) -> Spec:
@@ -203,6 +208,11 @@ def spec_for(plan: Plan, workload: str, side: str) -> Spec:
                 worker_nice=plan.worker_nice if side.removeprefix(LAGGED) == "aioloader" else 0)
     if side == ZERO:
         return replace(base, side="aioloader", num_workers=0, worker_nice=0)
+    if side == PROCESS:
+        return replace(base, side="aioloader")
+    if side == "aioloader" and kind == "throughput" and plan.num_workers > 0:
+        return replace(base, worker_type=plan.worker_type,
+                       worker_nice=None if plan.worker_type == "ray" else base.worker_nice)
     if side.startswith(LAGGED):  # always `async for`: lag is a property of the event loop
         return replace(base, kind="lag", side=side.removeprefix(LAGGED), face="async",
                        min_s=plan.lag_min_s)
@@ -213,7 +223,8 @@ def run_workload(plan: Plan, workload: str,
                  on_run: Callable[[str, int], None] | None = None) -> dict[str, list[Result]]:
     """Every side of ``workload``, alternating (A B A B ...), ``plan.pairs`` times."""
     runs: dict[str, list[Result]] = {
-        side: [] for side in sides(workload, plan.num_workers, plan.peers, plan.lag)}
+        side: [] for side in sides(workload, plan.num_workers, plan.peers, plan.lag,
+                                   plan.worker_type)}
     for pair in range(plan.pairs):
         for side, results in runs.items():
             if on_run is not None:
