@@ -236,3 +236,19 @@ def test_a_key_skipped_in_the_block_of_the_state_refuses_a_new_shape() -> None:
             assert 1 not in [i for b in loader for i in ids(b)]
     finally:
         logging.getLogger("aioloader").disabled = False
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (2, 0), (0, 2)])
+def test_a_cached_iterable_dataset_that_splits_itself_resumes_with_other_workers(
+        before: int, after: int) -> None:
+    """Its workers' instances are interleaved back into the dataset's order, so its cache,
+    and the batches planned over it, do not depend on num_workers."""
+    from resume_sources import Stream
+
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(Stream(31), batch_size=3, shuffle=True, seed=6,
+                                    num_workers=workers, quiet=True)
+
+    first, rest = cut(make, before, after, taken=4)
+    assert first + rest[0] == whole(make, before)[0]
+    assert rest[1] == whole(make, after)[1]
