@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ._errors import ResumeError
 from ._samplers import derive_seed, plan_indices
-from ._sources import Kind, is_async, open_pass, shard_spec
+from ._sources import Kind, aclose, is_async, open_pass, shard_spec, unhooked
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +216,13 @@ class Kept:
                 yield item
 
     async def _async(self, stream: AsyncIterable[Any]) -> AsyncIterator[Any]:
-        async for item in stream:
-            if self._keep():
-                yield item
+        inner = unhooked(stream)
+        try:
+            async for item in inner:
+                if self._keep():
+                    yield item
+        finally:
+            await aclose(inner)
 
     def after(self, taken: int) -> int:
         """The raw position just after the ``taken``-th instance kept."""
@@ -389,10 +393,14 @@ def _numbered(stream: Iterable[Any] | AsyncIterable[Any], low: int,
 async def _anumbered(stream: AsyncIterable[Any], low: int,
                      done: frozenset[int]) -> AsyncIterator[tuple[int, Any]]:
     n = -1
-    async for item in stream:
-        n += 1
-        if n >= low and n not in done:
-            yield n, item
+    inner = unhooked(stream)
+    try:
+        async for item in inner:
+            n += 1
+            if n >= low and n not in done:
+                yield n, item
+    finally:
+        await aclose(inner)
 
 
 def _from(stream: Iterable[Any] | AsyncIterable[Any], first: int,
@@ -406,11 +414,18 @@ def _from(stream: Iterable[Any] | AsyncIterable[Any], first: int,
 
 
 async def _afrom(stream: AsyncIterable[Any], first: int, step: int) -> AsyncIterator[Any]:
+    # Every async iterator here wraps the source's: started unhooked (as the pipeline starts
+    # the outer one, see _pipeline) and closed with it, so no loop's shutdown finalizes the
+    # source under a producer that outlives that loop.
     pos = -first
-    async for item in stream:
-        if pos >= 0 and pos % step == 0:
-            yield item
-        pos += 1
+    inner = unhooked(stream)
+    try:
+        async for item in inner:
+            if pos >= 0 and pos % step == 0:
+                yield item
+            pos += 1
+    finally:
+        await aclose(inner)
 
 
 def _check_json(state: Any, source: Any) -> None:
