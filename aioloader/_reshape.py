@@ -115,16 +115,14 @@ def local_plan(spec: PlanSpec, epoch: int, history: History, cached: int,
     for progress in history:
         left = [_left(delivered, held(total, r, progress.world_size, progress.group))
                 for r in range(progress.world_size)]
-        target = _target(spec, progress.world_size, left)
-        marks = torch.zeros(total, dtype=torch.bool)
+        target = _target(spec, progress.world_size, left)  # (`left` is taken before marking)
         for r, (items, taken) in enumerate(zip(left, progress.batches, strict=True)):
             rank_spec = replace(spec, rank=r, world_size=progress.world_size)
             plan = plan_epoch(rank_spec, range(len(items)), epoch, shared=False,
                               target_batches=target)
             positions = torch.zeros(len(items), dtype=torch.bool)
             _mark(positions, plan, taken, epoch, progress)
-            marks[items[positions]] = True
-        delivered |= marks
+            delivered[items[positions]] = True
     left = [_left(delivered, held(total, r, world, group)) for r in range(world)]
     target = _target(spec, world, left)
     if target and not len(left[rank]) and cached:

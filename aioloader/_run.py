@@ -415,7 +415,7 @@ class Run:
         shards = c.shape_shards
         states = [state] if isinstance(state, Mapping) or not isinstance(
             state, Sequence) or not state else list(state)
-        points = [read_state(s, c.fingerprint(), seed=c.given.seed, shards=shards)
+        points = [read_state(s, c.fingerprint(), seed=c.given.seed, stream=c.lazy)
                   for s in states]
         point = choose(points, rank=c.topo.rank, world_size=c.topo.world_size, shards=shards,
                        refusal=self._setup.reshape_refusal(),

@@ -27,7 +27,7 @@ from ._producers import (
 )
 from ._reshape import local_plan, split_plan
 from ._session import Producer
-from ._sources import Kind
+from ._sources import Kind, splits_itself
 from ._starting import StandbyPool
 from ._state import ResumePoint
 from ._supervisor import Supervisor
@@ -82,17 +82,17 @@ class Setup:
             data: Any = c.source
             plan = self._map_plan()
             if history:
-                spec, resumed = self.plan_spec, first_pass
-                plan = _first_pass(plan, resumed, lambda: split_plan(spec, data, resumed,
-                                                                     history))
+                spec = self.plan_spec
+                plan = _first_pass(plan, first_pass,
+                                   lambda: split_plan(spec, data, first_pass, history))
         else:
             assert cache is not None, "a cached reader's producer needs its cache"
             data = cache
             plan = self._cached_plan(cache)
             if history:
-                spec, resumed = self.plan_spec, first_pass
-                plan = _first_pass(plan, resumed, lambda: local_plan(
-                    spec, resumed, history, len(cache), c.shards))
+                spec = self.plan_spec
+                plan = _first_pass(plan, first_pass, lambda: local_plan(
+                    spec, first_pass, history, len(cache), c.shards))
             elif resume is not None and resume.instances not in (None, len(cache)):
                 raise ResumeError(
                     f"the state was taken over {resume.instances} instances, but the reader "
@@ -106,10 +106,9 @@ class Setup:
         """Why a state taken on another shape (world size; a stream's workers) cannot resume
         here; None: the rest of its epoch can be dealt again (``_reshape``)."""
         c = self.config
+        by_workers, by_ranks = splits_itself(c.source, c.kind)
         if c.lazy:
-            if c.kind is Kind.ITERABLE or getattr(c.source, "manual_multiprocess_sharding",
-                                                   False) or getattr(
-                    c.source, "manual_distributed_sharding", False):
+            if by_workers or by_ranks:
                 return ("the source splits itself between the workers or ranks, so the loader "
                         "cannot tell which shard read which instance: resume on the "
                         "num_workers and world size the state was taken with (or let the "
@@ -127,8 +126,7 @@ class Setup:
             if self.plan_spec.sampler is not None:
                 return ("a BatchSampler over a cached reader batches each rank's own "
                         "instances, which other ranks never see: resume on the same world size")
-            if c.kind is Kind.ITERABLE or getattr(c.source, "manual_distributed_sharding",
-                                                   False):
+            if by_ranks:
                 return ("the source splits itself between the ranks, so the loader cannot "
                         "tell which rank read which instance: resume on the same world size")
         return None

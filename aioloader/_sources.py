@@ -98,14 +98,23 @@ def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int
     """
     if kind is Kind.ITERABLE:
         return 0, 1
-    manual_workers = getattr(source, "manual_multiprocess_sharding", False)
-    manual_ranks = getattr(source, "manual_distributed_sharding", False)
+    manual_workers, manual_ranks = splits_itself(source, kind)
     index, count = 0, 1
     if not manual_ranks and world_size > 1:
         index, count = rank, world_size
     if not manual_workers and num_workers > 1:
         index, count = index * num_workers + worker, count * num_workers
     return index, count
+
+
+def splits_itself(source: Any, kind: Kind) -> tuple[bool, bool]:
+    """Whether ``source`` splits itself (across workers, across ranks) rather than being
+    sharded by the loader: an IterableDataset always (torch's rule), a reader when it says
+    so (``manual_multiprocess_sharding``, ``manual_distributed_sharding``)."""
+    if kind is Kind.ITERABLE:
+        return True, True
+    return (bool(getattr(source, "manual_multiprocess_sharding", False)),
+            bool(getattr(source, "manual_distributed_sharding", False)))
 
 
 async def as_async(stream: Iterable[Any]) -> AsyncIterator[Any]:

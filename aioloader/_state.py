@@ -88,10 +88,10 @@ def make_state(fingerprint: Mapping[str, Any], seed: int, cursor: Cursor,
 
 
 def read_state(state: Any, fingerprint: Mapping[str, Any], *, seed: int | None,
-               shards: int | None) -> ResumePoint:
+               stream: bool) -> ResumePoint:
     """Check ``state`` against this loader's ``fingerprint`` (and ``seed``, when the user
-    chose one) and read it; ResumeError names what is wrong. ``shards``: how many shards
-    this loader's stream has (None: it is not a stream)."""
+    chose one) and read it; ResumeError names what is wrong. ``stream``: this loader reads
+    a lazy stream (its position is checked against the shards it was taken in)."""
     if not isinstance(state, Mapping) or state.get("format") != FORMAT:
         raise ResumeError(
             f"not an aioloader DataLoader state dict: expected a dict from "
@@ -132,8 +132,7 @@ def read_state(state: Any, fingerprint: Mapping[str, Any], *, seed: int | None,
     if not 0 <= point.rank < point.world_size:
         raise ResumeError(f"corrupt aioloader state dict: rank {point.rank} of world_size "
                           f"{point.world_size}")
-    if point.shards == shards:
-        _check_stream(point, shards)
+    _check_stream(point, stream)
     return point
 
 
@@ -191,15 +190,20 @@ def choose(points: Sequence[ResumePoint], *, rank: int, world_size: int,
                    shards=shards)
 
 
-def _check_stream(point: ResumePoint, shards: int | None) -> None:
-    stream = point.stream
-    if shards is None:
+def _check_stream(point: ResumePoint, lazy: bool) -> None:
+    """A lazy loader's stream position against the shards it was taken in (which may not
+    be this loader's: see ``choose``)."""
+    stream, shards = point.stream, point.shards
+    if not lazy:
         if stream is not None:
             raise ResumeError("corrupt aioloader state dict: it holds a stream position, but "
                               "this loader reads index batches")
         return
     if stream is None:  # taken before the stream started: at the start of its pass
         return
+    if shards is None:
+        raise ResumeError("corrupt aioloader state dict: it holds a stream position, but "
+                          "not the number of shards it was taken in")
     if len(stream.shards) != shards:
         raise ResumeError("corrupt aioloader state dict: its stream position does not have "
                           f"{shards} shard(s)")
