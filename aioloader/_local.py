@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from ._codec import tensors_nbytes
-from ._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad
+from ._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad, ops_on_this_thread
 from ._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
+from ._placement import Placement, place
 from ._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
 from ._producers import Plan, Plans
 from ._session import Activity, Delivered, PassDone
@@ -48,6 +49,7 @@ class _InProcess:
         self.private = False  # the loop is the sync adapter's own: blocking it is fine
         self._skips = skips if skips is not None else SkipLog()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.placement = Placement()
         self._work: Work | None = None
         self._stage: LoadStage | None = None
 
@@ -57,15 +59,18 @@ class _InProcess:
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="aioloader-local")
+                1, thread_name_prefix="aioloader-local", initializer=ops_on_this_thread)
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """On the sync adapter's private loop, inline (as torch's ``num_workers=0`` does);
-        on a user's loop, or with a timeout (it needs the loop free to fire), in the thread."""
-        if self.private and not self.timed:
+        with a timeout (it needs the loop free to fire), in the thread; on a user's loop,
+        where :class:`~aioloader._placement.Placement` says."""
+        if self.timed:
+            return await self.offload(fn, *args)
+        if self.private:
             return fn(*args)
-        return await self.offload(fn, *args)
+        return await place(self.placement, self.offload, fn, *args)
 
     def stop_thread(self) -> None:
         thread, self._thread = self._thread, None

@@ -1,17 +1,20 @@
-"""``num_workers=0`` through ``async for`` (issue 23): the loader's fetch thread leaves the
-caller's torch threads as they were: the loop's thread, a thread started later, and the
-training step's speed."""
+"""``num_workers=0`` through ``async for`` (issue 23): fetches proven short run on the caller's
+thread, others in the fetch thread; the caller's torch threads stay as they were: the loop's
+thread, a thread started later, and the training step's speed."""
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import threading
 import time
 from typing import Any
 
+import pytest
 import torch
 
 import aioloader
+from aioloader._placement import PROOF
 
 
 class Augmented:
@@ -39,19 +42,62 @@ def _fresh_thread_count() -> int:
     return seen[0]
 
 
-async def test_the_fetch_thread_leaves_the_callers_thread_counts_alone() -> None:
+class Small:
+    """Cheap samples (a few microseconds of torch each) that say where they were made."""
+
+    def __len__(self) -> int:
+        return 4 * 400
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.zeros(8) + i, "threads": torch.get_num_threads(),
+                "main": threading.current_thread() is threading.main_thread()}
+
+
+async def test_short_fetches_move_to_the_callers_thread_once_proven() -> None:
+    """The first fetches run in the fetch thread on one OpenMP thread of its own; once they
+    have shown they are short and busy, on the caller's thread with the caller's count, as
+    torch's num_workers=0 runs them (issue 23). No thread's count changes."""
     mine, fresh = torch.get_num_threads(), _fresh_thread_count()
-    loader = aioloader.DataLoader(Augmented(16), batch_size=4, quiet=True)
-    try:
-        for _ in range(2):
-            async for batch in loader:
-                assert batch["threads"].tolist() == [fresh] * 4  # torch's count, unchanged
-                assert not batch["main"].any()  # in the fetch thread
-                assert torch.get_num_threads() == mine  # between batches, here
-    finally:
-        await loader.aclose()
+    where: list[tuple[bool, int]] = []
+    async with aioloader.DataLoader(Small(), batch_size=4, quiet=True) as loader:
+        async for batch in loader:
+            assert len(set(batch["main"].tolist())) == 1  # a batch is fetched in one place
+            where.append((bool(batch["main"][0]), int(batch["threads"][0])))
+            assert torch.get_num_threads() == mine  # between batches, here
+    assert where[:PROOF] == [(False, 1)] * PROOF
+    on_loop = {threads for main, threads in where if main}
+    in_thread = {threads for main, threads in where if not main}
+    # A busy machine may send fetches back to the thread, never all 400 batches.
+    assert on_loop == {mine} and in_thread == {1}, where
     assert torch.get_num_threads() == mine
     assert _fresh_thread_count() == fresh  # torch's process-wide count too
+
+
+class Waits:
+    """Samples that block (a sleep) or wait for the caller's loop, which must stay free: each
+    says where it was made."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.loop = loop
+
+    def __len__(self) -> int:
+        return 4 * (PROOF * 3)
+
+    def __getitem__(self, i: int) -> bool:
+        if self.loop is None:
+            time.sleep(0.0005)
+        else:  # run on the loop it is consumed on: that loop must not be this thread
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result()
+        return threading.current_thread() is threading.main_thread()
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.parametrize("how", ["sleeps", "awaits the loop"])
+async def test_a_fetch_that_waits_never_runs_on_the_loop(how: str) -> None:
+    loop = asyncio.get_running_loop() if how == "awaits the loop" else None
+    async with aioloader.DataLoader(Waits(loop), batch_size=4, quiet=True) as loader:
+        made_on_main = [bool(b.any()) async for b in loader]
+    assert made_on_main == [False] * (PROOF * 3)
 
 
 def test_the_sync_face_fetches_here_with_the_callers_count() -> None:

@@ -47,9 +47,12 @@ def test_a_slow_consumer_shows_almost_no_stall(num_workers: int) -> None:
     stats = loader.stats()
     loader.close()
     assert stats.batches == 20
-    assert stats.data_stall < 0.25, stats  # the first batch is the only real wait
     assert stats.wall_s >= 20 * 0.04
-    assert stats.time_to_first_batch_s is not None
+    first = stats.time_to_first_batch_s
+    assert first is not None
+    # The first batch is the only real wait, and it holds the workers' start, which a busy
+    # 2-core machine can stretch past the 0.8 s of steps (CI: 1.4 s): judge the waits after it.
+    assert stats.wait_s - first < 0.25 * (stats.wall_s - first), stats
     if num_workers:
         assert sum(w.batches for w in stats.workers) == 20
         assert all(w.busy < 0.5 for w in stats.workers), stats  # they waited for slots

@@ -1,0 +1,89 @@
+"""Where a ``num_workers=0`` fetch runs for ``async for``: on the caller's loop while fetches
+prove short and busy, else in the loader's fetch thread (issue 23).
+
+A thread hop costs two thread wake-ups a batch (80-100 us on the 2-core machine), as much as
+a whole batch of small samples, and torch ops issued from a second thread run beside the
+caller's OpenMP team. Torch's ``num_workers=0`` runs the fetch on the caller's thread; so do
+we, for fetches that have shown they cannot hold the loop for long: every one of the last
+``prove`` fetches in the thread took at most ``limit`` of wall time, and was busy for at
+least ``busy`` of it (its thread's CPU time over its wall time). A fetch that waits on
+anything (a sleep, a file, a lock, a future of the caller's loop) is idle for most of its
+wall time, so it stays in the thread, where waiting is harmless.
+
+A fetch on the loop that takes longer than ``2 * limit`` (whatever held it: the dataset, or
+another process on the core) sends the fetches back to the thread, and the next proof is four
+times as long (up to ``MAX_PROOF``); each run of ``proof`` fetches on the loop within the
+bound halves it again (down to ``PROOF``). So a dataset whose samples are sometimes slow
+holds the loop less and less often, and a machine's passing load costs a short proof. A
+fetch that raises proves nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+LIMIT = 0.0005  # s: the longest fetch that may run on the loop (the loop's lag is below 1 ms)
+BUSY = 0.75  # CPU over wall time: below this a fetch waited for something
+PROOF = 8  # fetches in a row, in the thread, before one runs on the loop
+MAX_PROOF = 2048
+
+
+@dataclass
+class Placement:
+    """The decision, as plain state: :meth:`saw` takes each fetch's times."""
+
+    limit: float = LIMIT
+    busy: float = BUSY
+    proof: int = PROOF
+    inline: bool = False  # the next fetch runs on the loop
+    streak: int = 0  # in the thread: short, busy fetches in a row; on the loop: since back
+    returns: int = 0  # times a fetch on the loop sent the fetches back to the thread
+
+    def saw(self, wall: float, cpu: float, *, on_loop: bool) -> None:
+        """A fetch took ``wall`` seconds, ``cpu`` of them on its thread's CPU."""
+        if on_loop:
+            if wall > 2 * self.limit:
+                self.inline, self.streak = False, 0
+                self.returns += 1
+                self.proof = min(self.proof * 4, MAX_PROOF)
+                return
+            self.streak += 1
+            if self.streak >= self.proof and self.proof > PROOF:
+                self.proof, self.streak = max(self.proof // 2, PROOF), 0
+            return
+        short = wall <= self.limit and cpu >= self.busy * wall
+        self.streak = self.streak + 1 if short else 0
+        if self.streak >= self.proof:
+            self.inline, self.streak = True, 0
+
+    def failed(self) -> None:
+        """A fetch raised: start the proof again (in the thread)."""
+        self.inline, self.streak = False, 0
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
+    """``fn(*args)`` with its wall and thread CPU seconds."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    out = fn(*args)
+    return out, time.perf_counter() - wall, time.thread_time() - cpu
+
+
+async def place(placement: Placement, offload: Callable[..., Awaitable[Any]],
+                fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` where ``placement`` says: here (on the loop) or through ``offload``."""
+    on_loop = placement.inline
+    try:
+        if on_loop:
+            out, wall, cpu = timed(fn, *args)
+        else:
+            out, wall, cpu = await offload(timed, fn, *args)
+    except BaseException:
+        placement.failed()
+        raise
+    placement.saw(wall, cpu, on_loop=on_loop)
+    return out

@@ -1,0 +1,101 @@
+"""Where a num_workers=0 fetch runs for ``async for`` (issue 23): the decision as plain state,
+with made-up times; the loader's behaviour with real datasets is in test_caller_threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from aioloader._placement import LIMIT, MAX_PROOF, PROOF, Placement, place
+
+SHORT, LONG = LIMIT / 2, LIMIT * 3
+
+
+def saw(placement: Placement, times: int, wall: float = SHORT, *, on_loop: bool) -> None:
+    for _ in range(times):
+        placement.saw(wall, wall, on_loop=on_loop)
+
+
+def proven() -> Placement:
+    placement = Placement()
+    saw(placement, PROOF, on_loop=False)
+    return placement
+
+
+def test_short_busy_fetches_in_a_row_move_to_the_loop() -> None:
+    placement = Placement()
+    for _ in range(PROOF - 1):
+        saw(placement, 1, on_loop=False)
+        assert not placement.inline
+    saw(placement, 1, on_loop=False)
+    assert placement.inline
+
+
+@pytest.mark.parametrize(("wall", "cpu"), [(LONG, LONG), (SHORT, SHORT * 0.5)],
+                         ids=["long", "waited"])
+def test_a_long_or_waiting_fetch_starts_the_proof_again(wall: float, cpu: float) -> None:
+    placement = Placement()
+    saw(placement, PROOF - 1, on_loop=False)
+    placement.saw(wall, cpu, on_loop=False)
+    saw(placement, PROOF - 1, on_loop=False)
+    assert not placement.inline
+    placement.saw(SHORT, SHORT, on_loop=False)
+    assert placement.inline
+
+
+def test_a_fetch_on_the_loop_past_the_bound_goes_back_for_a_longer_proof() -> None:
+    placement = proven()
+    placement.saw(SHORT, SHORT * 0.1, on_loop=True)  # within the bound: it stays
+    assert placement.inline
+    placement.saw(2 * LIMIT + 1e-6, 0.0, on_loop=True)
+    assert not placement.inline and placement.returns == 1
+    saw(placement, PROOF * 4 - 1, on_loop=False)
+    assert not placement.inline
+    placement.saw(SHORT, SHORT, on_loop=False)
+    assert placement.inline
+
+
+def test_fetches_within_the_bound_on_the_loop_shorten_the_proof_again() -> None:
+    placement = proven()
+    placement.saw(LONG, LONG, on_loop=True)
+    placement.inline = True  # proven again (32 fetches)
+    saw(placement, PROOF * 4, on_loop=True)
+    assert placement.proof == PROOF * 2
+    saw(placement, PROOF * 2, on_loop=True)
+    assert placement.proof == PROOF and placement.inline
+
+
+def test_the_proof_grows_to_a_bound() -> None:
+    placement = Placement()
+    for _ in range(20):
+        placement.inline = True
+        saw(placement, 1, LONG, on_loop=True)
+    assert placement.proof == MAX_PROOF
+
+
+async def test_place_runs_here_once_proven_and_a_failure_proves_nothing() -> None:
+    threads: list[bool] = []
+    offloaded = 0
+
+    async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+        nonlocal offloaded
+        offloaded += 1
+        return await asyncio.to_thread(fn, *args)
+
+    def fetch(fail: bool = False) -> int:
+        threads.append(threading.current_thread() is threading.main_thread())
+        if fail:
+            raise KeyError("sample 7")
+        return 1
+
+    placement = Placement(limit=1.0, busy=0.0)  # any time proves, here
+    for _ in range(PROOF + 2):
+        assert await place(placement, offload, fetch) == 1
+    assert threads == [False] * PROOF + [True] * 2 and offloaded == PROOF
+    with pytest.raises(KeyError, match="sample 7"):
+        await place(placement, offload, fetch, True)
+    assert not placement.inline and placement.streak == 0
