@@ -23,7 +23,7 @@ from ._loads import LoadOptions, Retry, load_options
 from ._options import check_each, check_load_rules, check_rules
 from ._pipeline import BatchOptions
 from ._samplers import BatchSampler
-from ._sources import Kind, classify
+from ._sources import Kind, classify, splits_itself
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,16 @@ class LoaderConfig:
     def shape_shards(self) -> int | None:
         """The shards a state's position depends on. A stream is read in one shard per
         worker. So is a cached reader on several ranks: a rank caches its workers' shards
-        (another num_workers: other instances). Index batches are the same whatever the
-        number of workers."""
-        return self.shards if self.lazy or (self.cached and self.topo.distributed) else None
+        (another num_workers: other instances), and a cached source that splits itself
+        between workers: its workers' instances are put back together one by one, which is
+        its own order only if it splits itself one by one (contiguous ranges, as torch's
+        IterableDataset docs split, come back in another order on another num_workers).
+        Index batches are the same whatever the number of workers."""
+        if self.lazy:
+            return self.shards
+        if self.cached and (self.topo.distributed or splits_itself(self.source, self.kind)[0]):
+            return self.shards
+        return None
 
     def fingerprint(self) -> dict[str, Any]:
         """The arguments a state depends on, as data (the seed is checked apart)."""

@@ -126,9 +126,11 @@ class Setup:
             if self.plan_spec.sampler is not None:
                 return ("a BatchSampler over a cached reader batches each rank's own "
                         "instances, which other ranks never see: resume on the same world size")
-            if by_ranks:
-                return ("the source splits itself between the ranks, so the loader cannot "
-                        "tell which rank read which instance: resume on the same world size")
+            if by_workers or by_ranks:
+                return ("the source splits itself between the workers or ranks, so the loader "
+                        "cannot tell which shard read which instance, nor put them back in "
+                        "the source's order: resume on the num_workers and world size the "
+                        "state was taken with (or let the loader shard a reader)")
         return None
 
     def reframe(self, states: list[ResumePoint]) -> StreamPosition:
