@@ -5,6 +5,7 @@ thread, a thread started later, and the training step's speed."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import threading
 import time
@@ -71,6 +72,32 @@ async def test_short_fetches_move_to_the_callers_thread_once_proven() -> None:
     assert on_loop == {mine} and in_thread == {1}, where
     assert torch.get_num_threads() == mine
     assert _fresh_thread_count() == fresh  # torch's process-wide count too
+
+
+async def test_other_tasks_run_between_batches_fetched_on_the_loop() -> None:
+    """A task made ready after each batch runs before the next batch is handed over."""
+    turns = 0
+    ready = asyncio.Event()
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            await ready.wait()
+            ready.clear()
+            turns += 1
+
+    task = asyncio.create_task(other())
+    seen: list[tuple[int, bool]] = []
+    try:
+        async with aioloader.DataLoader(Small(), batch_size=4, quiet=True) as loader:
+            async for batch in loader:
+                seen.append((turns, bool(batch["main"][0])))
+                ready.set()
+    finally:
+        task.cancel()
+    assert any(main for _, main in seen)
+    pairs = itertools.pairwise(seen)
+    assert all(after > before for (before, _), (after, main) in pairs if main)
 
 
 class Waits:
