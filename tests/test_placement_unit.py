@@ -12,7 +12,7 @@ import pytest
 
 from aioloader._placement import LIMIT, MAX_PROOF, PROOF, Placement, place
 
-SHORT, LONG = LIMIT / 2, LIMIT * 3
+SHORT, LONG = LIMIT / 2, LIMIT * 3  # LONG: too long in the thread too
 
 
 def saw(placement: Placement, times: int, wall: float = SHORT, *, on_loop: bool) -> None:
@@ -47,11 +47,18 @@ def test_a_long_or_waiting_fetch_starts_the_proof_again(wall: float, cpu: float)
     assert placement.inline
 
 
-def test_a_fetch_on_the_loop_past_the_bound_goes_back_for_a_longer_proof() -> None:
+@pytest.mark.parametrize("how", ["waited", "busy twice"])
+def test_a_fetch_on_the_loop_past_the_bound_goes_back_for_a_longer_proof(how: str) -> None:
     placement = proven()
+    placement.saw(LIMIT * 1.5, LIMIT * 1.5, on_loop=True)  # the first there: judged as a proof
     placement.saw(SHORT, SHORT * 0.1, on_loop=True)  # within the bound: it stays
     assert placement.inline
-    placement.saw(2 * LIMIT + 1e-6, 0.0, on_loop=True)
+    if how == "waited":
+        placement.saw(LIMIT * 1.01, 0.0, on_loop=True)
+    else:
+        placement.saw(LIMIT * 1.01, LIMIT, on_loop=True)  # a busy one-off is let pass
+        assert placement.inline
+        placement.saw(LIMIT * 1.01, LIMIT, on_loop=True)
     assert not placement.inline and placement.returns == 1
     saw(placement, PROOF * 4 - 1, on_loop=False)
     assert not placement.inline
@@ -61,7 +68,8 @@ def test_a_fetch_on_the_loop_past_the_bound_goes_back_for_a_longer_proof() -> No
 
 def test_fetches_within_the_bound_on_the_loop_shorten_the_proof_again() -> None:
     placement = proven()
-    placement.saw(LONG, LONG, on_loop=True)
+    placement.saw(LONG, 0.0, on_loop=True)
+    assert placement.proof == PROOF * 4
     placement.inline = True  # proven again (32 fetches)
     saw(placement, PROOF * 4, on_loop=True)
     assert placement.proof == PROOF * 2
@@ -72,8 +80,8 @@ def test_fetches_within_the_bound_on_the_loop_shorten_the_proof_again() -> None:
 def test_the_proof_grows_to_a_bound() -> None:
     placement = Placement()
     for _ in range(20):
-        placement.inline = True
-        saw(placement, 1, LONG, on_loop=True)
+        placement.inline, placement.streak = True, 0
+        placement.saw(LONG, 0.0, on_loop=True)
     assert placement.proof == MAX_PROOF
 
 
