@@ -6,6 +6,7 @@ preceded by ``<!-- no-test -->`` is skipped: only for what truly cannot run here
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -28,6 +29,8 @@ def code_blocks() -> list[pytest.ParameterSet]:
         for match in BLOCK.finditer(text):
             line = text.count("\n", 0, match.start("code")) + 1
             marks = [pytest.mark.skip(reason="marked no-test")] if match["marker"] else []
+            if "import ray" in match["code"] and importlib.util.find_spec("ray") is None:
+                marks.append(pytest.mark.skip(reason="needs Ray: pip install aioloader[ray]"))
             params.append(pytest.param(match["code"], id=f"{doc}:{line}", marks=marks))
     return params
 
