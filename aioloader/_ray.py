@@ -18,7 +18,8 @@ stream's calls are topped up as batches are taken, so at most ``slots`` batches 
 sit in the store untaken. Awaiting an ``ObjectRef`` never blocks the loop.
 
 A Ray the loader had to start (no ``ray.init`` before it) stays up for the process, as a
-forkserver does: shutting it down would end any other Ray work of the process.
+forkserver does: shutting it down would end any other Ray work of the process. So it is
+started on a thread that lives as long as the process (see :func:`_on_init_thread`).
 
 Faults: a call of a dead actor (or one whose batch was lost with its node) raises Ray's
 error, which becomes a :class:`~aioloader.WorkerDied` naming the worker, its actor, node
@@ -35,12 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import logging
 import pickle
+import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -64,6 +68,7 @@ log = logging.getLogger("aioloader")
 
 PLACEMENT_PATIENCE = 30.0  # seconds an actor may take to start before a warning says why
 CLOSE_WAIT = 10.0  # seconds a close waits for Ray to confirm that its actors are dead
+LOOKUP_WAIT = 5.0  # seconds a death's message waits for Ray to say where the actor ran
 
 
 def _ray() -> Any:
@@ -143,9 +148,10 @@ class RaySupervisor:
         try:
             if not ray.is_initialized():
                 # The caller's context when there is one (ray.init(address=...) or
-                # RAY_ADDRESS); else a local Ray, as ray.init() starts it. Seconds: a thread.
-                await asyncio.to_thread(ray.init, ignore_reinit_error=True,
-                                        log_to_driver=True)
+                # RAY_ADDRESS); else a local Ray, as ray.init() starts it. Seconds, so not
+                # on the loop; and on the thread that lives as long as the process, not a
+                # throwaway one: see _on_init_thread (issue 22 audit).
+                await asyncio.wrap_future(_on_init_thread(_init))
             try:
                 self._spec_ref = ray.put(self.spec)
             except Exception as exc:
@@ -169,26 +175,48 @@ class RaySupervisor:
         return a
 
     async def _greet(self, a: _Actor) -> None:
-        """Wait until ``a`` says where it runs (its start); its death is ``WorkerDied``."""
-        ref, a.hello = a.hello, None
-        error: BaseException | None = None
-        hello: asyncio.Future[Hello] = asyncio.ensure_future(ref)
+        """Wait until ``a`` says where it runs (its start). Its death before that is a
+        death like a later one: within ``max_worker_restarts`` ``a`` is lost and its
+        next ``receive`` raises WorkerLost, else it is the session's ``WorkerDied``."""
+        ray = _ray()
+        # Ray's own future of the ref, not ensure_future(ref): that wrapped the ref in a
+        # coroutine whose frame, in the traceback of Ray's error, held the ObjectRef, and
+        # the error and this frame made a cycle: the dead actor's reply stayed owned after
+        # close until a gc (issue 22 audit). The error is read with exception(), never
+        # raised here: it carries no traceback, so no frame of ours holds or is held.
+        hello: asyncio.Future[Hello] = asyncio.wrap_future(a.hello.future())
+        a.hello = None
         try:
             if not (await asyncio.wait({hello}, timeout=PLACEMENT_PATIENCE))[0]:
                 # Ray waits for resources without a word to us: say what we wait for.
                 log.warning("%s is not running after %.0f s: Ray has no node with what it "
                             "asks for free yet (%s); see `ray status`", a.name(),
                             PLACEMENT_PATIENCE, self._options())
-            a.where = await hello
-        except _ray().exceptions.RayError as exc:
-            error = exc
+                await asyncio.wait({hello})
         finally:
             hello.cancel()  # (cancelled while waiting: nobody will read it)
-            del ref, hello  # not held by the error's traceback (see _first_reply)
-        if error is not None:
+        error = hello.exception()
+        if error is None:
+            a.where = hello.result()
+            a.born = time.monotonic()
+            self.last_heard = a.born
+            return
+        del hello
+        if not isinstance(error, ray.exceptions.RayError):
+            raise error
+        dead = isinstance(error, ray.exceptions.ObjectLostError) or (
+            isinstance(error, ray.exceptions.RayActorError) and not error.actor_init_failed)
+        if not dead:  # its creation task raised (the spec did not load there): no restart heals
             raise self._died(a, error) from error
-        a.born = time.monotonic()
-        self.last_heard = a.born
+        # Killed before it said where it ran (in worker_init_fn, say): the budget decides,
+        # as for any death; processes heal it, and so must we (issue 22 audit). Ray's
+        # actor table names its node and pid, as a Hello would have.
+        with contextlib.suppress(Exception):
+            a.where = await asyncio.wait_for(asyncio.to_thread(_where_it_was, a.handle),
+                                             LOOKUP_WAIT)
+        lost = self._death(a, error)
+        if not isinstance(lost, WorkerLost):
+            raise lost from error
 
     def _top_up(self, a: _Actor) -> None:
         """A stream: keep ``slots`` calls in flight, each a batch once it is built."""
@@ -429,6 +457,69 @@ async def _first_reply(a: _Actor) -> Reply | BaseException:
         return error
     finally:
         del ref
+
+
+def _where_it_was(handle: Any) -> Hello | None:
+    """Where the actor of ``handle`` ran, as Ray's actor table says (for one that died
+    before its Hello); None where Ray does not know. Blocking: GCS calls."""
+    ray = _ray()
+    # (private: no public call of Ray 2.60 gives a dead actor's node and pid)
+    info = ray._private.state.actors(actor_id=handle._actor_id.hex())
+    node: str = info.get("Address", {}).get("NodeID", "")
+    pid: int = info.get("Pid", 0)
+    if not pid or not node.strip("f"):  # (never placed: no pid, a nil node ID)
+        return None
+    host = next((n.get("NodeManagerHostname", "?") for n in ray.nodes()
+                 if n.get("NodeID") == node), "?")
+    return Hello(node, host, pid)
+
+
+def _init() -> None:
+    ray = _ray()
+    if not ray.is_initialized():  # (another loader's start may have come first)
+        ray.init(ignore_reinit_error=True, log_to_driver=True)
+
+
+_Job = tuple[Callable[[], None], concurrent.futures.Future[None]]
+_init_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+_init_thread: threading.Thread | None = None
+_init_lock = threading.Lock()
+
+
+def _on_init_thread(job: Callable[[], None]) -> concurrent.futures.Future[None]:
+    """Run ``job`` (``ray.init``) on the thread kept for the process's life.
+
+    Ray starts its node's processes (GCS, raylet, agents) with PR_SET_PDEATHSIG, which
+    fires when the *thread* that started them exits. Started from asyncio.to_thread, they
+    died with that thread (at the sync face's close, at the end of asyncio.run): the next
+    loader's Ray call ended the process, or hung, and agents orphaned by the killed raylet
+    lingered for minutes after the program (issue 22 audit). A daemon, as the main thread
+    would be: threading's shutdown joins executor threads *before* atexit runs Ray's own
+    ``ray.shutdown()``, which stops those processes in order; this thread ends only with
+    the process.
+    """
+    global _init_thread
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    with _init_lock:
+        if _init_thread is None or not _init_thread.is_alive():  # (none yet, or forked)
+            _init_thread = threading.Thread(target=_serve_init, name="aioloader-ray-init",
+                                            daemon=True)
+            _init_thread.start()
+        _init_jobs.put((job, done))
+    return done
+
+
+def _serve_init() -> None:
+    while True:
+        job, done = _init_jobs.get()
+        if not done.set_running_or_notify_cancel():
+            continue
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
 
 def _chain(a: _Actor) -> Iterator[_Actor]:
