@@ -5,14 +5,15 @@ A thread hop costs two thread wake-ups a batch (80-100 us on the 2-core machine)
 a whole batch of small samples. Torch's ``num_workers=0`` runs the fetch on the caller's
 thread; so do we, for fetches that have shown they cannot hold the loop for long: each of the last
 ``proof`` fetches in the thread was busy for at least ``busy`` of its wall time (its
-thread's CPU time over its wall time) and took at most ``2 * limit``. The thread's times
+thread's CPU time over its wall time) and took at most ``4 * limit``. The thread's times
 only bound the loop's: there torch runs on one OpenMP thread, not the caller's team, and a
 large batch allocated there faults its pages in on one core (a fresh thread's 9.6 MB image
 batches: 4.4-6 ms, against 0.3 ms on the loop once warm). A fetch that waits
 on anything (a sleep, a file, a lock, a future of the caller's loop) is idle for most of its
 wall time, so it stays in the thread, where waiting is harmless.
 
-On the loop, a fetch that takes longer than ``limit`` (the first one there: ``2 * limit``)
+On the loop, a fetch that takes longer than ``limit`` (the first ``WARM_UP`` there, whose
+memory is cold, ``4 * limit``)
 sends the fetches back to the thread if it waited, or if the one before it was past the
 bound too (a busy one-off, a collection or a cold allocation, is let pass: going back is
 dear); the next proof is four times as long (up to ``MAX_PROOF``), and each run of
@@ -34,6 +35,7 @@ T = TypeVar("T")
 LIMIT = 0.002  # s: the longest a fetch on the loop may take
 BUSY = 0.75  # CPU over wall time: below this a fetch waited for something
 PROOF = 2  # fetches in a row, in the thread, before one runs on the loop
+WARM_UP = 4  # the first fetches on the loop after a move are judged as the proof's
 MAX_PROOF = 2048
 
 
@@ -48,12 +50,14 @@ class Placement:
     streak: int = 0  # in the thread: short, busy fetches in a row; on the loop: since back
     returns: int = 0  # times a fetch on the loop sent the fetches back to the thread
     over: bool = False  # the last fetch on the loop was busy past the bound
+    moved: int = 0  # fetches on the loop since the last move there
 
     def saw(self, wall: float, cpu: float, *, on_loop: bool) -> None:
         """A fetch took ``wall`` seconds, ``cpu`` of them on its thread's CPU."""
         if on_loop:
-            first = self.streak == 0  # its memory and the caller's team may be cold
-            over = wall > (2 * self.limit if first else self.limit)
+            self.moved += 1
+            cold = self.moved <= WARM_UP  # its memory and the caller's team may be cold
+            over = wall > (4 * self.limit if cold else self.limit)
             # Past the bound: at once if it waited (a read, a sleep: what the thread is
             # for); if it was busy, on the second in a row (a collection, an epoch's first
             # batch, a page-faulting allocation are one-offs, and going back is dear: a
@@ -68,10 +72,10 @@ class Placement:
             if self.streak >= self.proof and self.proof > PROOF:
                 self.proof, self.streak = max(self.proof // 2, PROOF), 0
             return
-        short = wall <= 2 * self.limit and cpu >= self.busy * wall
+        short = wall <= 4 * self.limit and cpu >= self.busy * wall
         self.streak = self.streak + 1 if short else 0
         if self.streak >= self.proof:
-            self.inline, self.streak = True, 0
+            self.inline, self.streak, self.moved = True, 0, 0
 
     def failed(self) -> None:
         """A fetch raised: start the proof again (in the thread)."""

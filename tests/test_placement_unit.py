@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from aioloader._placement import LIMIT, MAX_PROOF, PROOF, Placement, place
+from aioloader._placement import LIMIT, MAX_PROOF, PROOF, WARM_UP, Placement, place
 
-SHORT, LONG = LIMIT / 2, LIMIT * 3  # LONG: too long in the thread too
+SHORT, LONG = LIMIT / 2, LIMIT * 5  # LONG: too long in the thread too
 
 
 def saw(placement: Placement, times: int, wall: float = SHORT, *, on_loop: bool) -> None:
@@ -50,7 +50,7 @@ def test_a_long_or_waiting_fetch_starts_the_proof_again(wall: float, cpu: float)
 @pytest.mark.parametrize("how", ["waited", "busy twice"])
 def test_a_fetch_on_the_loop_past_the_bound_goes_back_for_a_longer_proof(how: str) -> None:
     placement = proven()
-    placement.saw(LIMIT * 1.5, LIMIT * 1.5, on_loop=True)  # the first there: judged as a proof
+    saw(placement, WARM_UP, LIMIT * 3, on_loop=True)  # the first there: judged as a proof
     placement.saw(SHORT, SHORT * 0.1, on_loop=True)  # within the bound: it stays
     assert placement.inline
     if how == "waited":

@@ -55,7 +55,9 @@ def test_a_slow_consumer_shows_almost_no_stall(num_workers: int) -> None:
     assert stats.wait_s - first < 0.25 * (stats.wall_s - first), stats
     if num_workers:
         assert sum(w.batches for w in stats.workers) == 20
-        assert all(w.busy < 0.5 for w in stats.workers), stats  # they waited for slots
+        # They waited for slots (one that never waited is busy ~1.0; niced workers on a
+        # loaded machine take longer over their 4 ms a batch, so not ~0.1 there).
+        assert all(w.busy < 0.9 for w in stats.workers), stats
         assert stats.arena.slots == num_workers * loader.prefetch
         assert stats.arena.free + stats.arena.filled + stats.arena.leased == stats.arena.slots
     else:
