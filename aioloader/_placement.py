@@ -47,7 +47,7 @@ class Placement:
     busy: float = BUSY
     proof: int = PROOF
     inline: bool = False  # the next fetch runs on the loop
-    streak: int = 0  # in the thread: short, busy fetches in a row; on the loop: since back
+    streak: int = 0  # in the thread: short, busy fetches in a row; on the loop: within bound
     returns: int = 0  # times a fetch on the loop sent the fetches back to the thread
     over: bool = False  # the last fetch on the loop was busy past the bound
     moved: int = 0  # fetches on the loop since the last move there
@@ -79,7 +79,7 @@ class Placement:
 
     def failed(self) -> None:
         """A fetch raised: start the proof again (in the thread)."""
-        self.inline, self.streak = False, 0
+        self.inline, self.streak, self.over = False, 0, False
 
 
 def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
