@@ -8,6 +8,7 @@ epoch 1. The test puts the ranks' batches together. The shared folder is ``$RESH
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -39,19 +40,27 @@ def _dir() -> Path:
     return Path(os.environ["RESHAPE_DIR"])
 
 
-def case_save(rank: int, world: int) -> dict[str, Any]:
+def save_states(makers: dict[str, Callable[[], aioloader.DataLoader]], folder: Path,
+                rank: int, taken: int = TAKEN) -> dict[str, Any]:
+    """Each maker's loader takes ``taken`` batches on this rank, then writes its state to
+    ``folder/NAME-rankR.json``, as a torchrun script does at a checkpoint."""
     out: dict[str, Any] = {}
-    for name, make in SOURCES.items():
-        loader = make(2)
+    for name, make in makers.items():
+        loader = make()
         try:
             batches = iter(loader)
-            taken = [ids(next(batches)) for _ in range(TAKEN)]
+            got = [ids(next(batches)) for _ in range(taken)]
             state = loader.state_dict()
         finally:
             loader.close()
-        (_dir() / f"{name}-rank{rank}.json").write_text(json.dumps(state))
-        out[name] = {"taken": taken, "bytes": len(json.dumps(state))}
+        (folder / f"{name}-rank{rank}.json").write_text(json.dumps(state))
+        out[name] = {"taken": got, "bytes": len(json.dumps(state))}
     return out
+
+
+def case_save(rank: int, world: int) -> dict[str, Any]:
+    return save_states({name: functools.partial(make, 2) for name, make in SOURCES.items()},
+                       _dir(), rank)
 
 
 def case_resume(rank: int, world: int) -> dict[str, Any]:

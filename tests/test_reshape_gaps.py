@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -31,11 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
 
 import aioloader
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts_issue9"))
+
+from issue9_sources import SplitByNodeAndWorker
+from reshape_dist import save_states
+from resume_sources import Items, SyncReader, item
 
 TAKEN = 4  # batches each of the 2 ranks delivers before its checkpoint
 N = {"map": 201, "cached": 200, "lazy": 200, "loaded": 200, "unordered": 200, "iter_cached": 41,
@@ -43,33 +48,9 @@ N = {"map": 201, "cached": 200, "lazy": 200, "loaded": 200, "unordered": 200, "i
 RESUMABLE = ["map", "cached", "lazy", "loaded", "unordered"]
 
 
-def item(i: int) -> dict[str, Any]:
-    return {"i": i}
-
-
 def collate(items: list[dict[str, Any]]) -> Any:
     """The default collate, with the pid of the process that built the batch."""
     return aioloader.default_collate([dict(it, pid=os.getpid()) for it in items])
-
-
-class Items(Dataset[dict[str, Any]]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return item(i)
-
-
-class Lines(aioloader.Reader):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def read(self, data_path: Any) -> Any:
-        for i in range(self.n):
-            yield item(i)
 
 
 class Keys(aioloader.Reader):
@@ -90,21 +71,11 @@ class Keys(aioloader.Reader):
         return item(key)
 
 
-class RankSplit(IterableDataset[dict[str, Any]]):
+class RankSplit(SplitByNodeAndWorker):
     """Splits itself by rank and by worker (datasets.split_dataset_by_node's way)."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-
     def __iter__(self) -> Any:
-        import torch.distributed as dist
-        import torch.utils.data
-
-        rank, world = ((dist.get_rank(), dist.get_world_size())
-                       if dist.is_available() and dist.is_initialized() else (0, 1))
-        info = torch.utils.data.get_worker_info()
-        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
-        return iter(item(i) for i in range(rank * nw + wid, self.n, world * nw))
+        return iter(item(i) for i in self.indices())
 
 
 class Ranges(IterableDataset[dict[str, Any]]):
@@ -132,9 +103,9 @@ def make(kind: str, workers: int, bad: int | None = None, **extra: Any) -> aiolo
     if kind == "map":
         return aioloader.DataLoader(Items(n), **common)
     if kind == "cached":
-        return aioloader.DataLoader(Lines(n), **common)
+        return aioloader.DataLoader(SyncReader(n), **common)
     if kind == "lazy":
-        return aioloader.DataLoader(Lines(n), max_instances_in_memory=6, **common)
+        return aioloader.DataLoader(SyncReader(n), max_instances_in_memory=6, **common)
     if kind in ("loaded", "unordered"):  # a load stage, ordered or not
         keys = Keys(n, bad)
         return aioloader.DataLoader(keys, max_instances_in_memory=8, load_fn=keys.load,
@@ -167,18 +138,8 @@ def _dir() -> Path:
 
 
 def case_save(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kind in N:
-        loader = make(kind, 2)
-        try:
-            batches = iter(loader)
-            taken = [ids(next(batches)) for _ in range(TAKEN)]
-            state = loader.state_dict()
-        finally:
-            loader.close()
-        (_dir() / f"{kind}-rank{rank}.json").write_text(json.dumps(state))
-        out[kind] = {"taken": taken, "bytes": len(json.dumps(state))}
-    return out
+    return save_states({kind: functools.partial(make, kind, 2) for kind in N}, _dir(), rank,
+                       TAKEN)
 
 
 def case_resume4(rank: int, world: int) -> dict[str, Any]:

@@ -175,7 +175,8 @@ class SplitByNodeAndWorker(IterableDataset[dict[str, int]]):
     def __init__(self, n: int) -> None:
         self.n = n
 
-    def __iter__(self) -> Any:
+    def indices(self) -> range:
+        """This rank's and this worker's share of ``range(n)``, one in every ``shards``."""
         import torch.distributed as dist
 
         rank, world = ((dist.get_rank(), dist.get_world_size())
@@ -183,7 +184,10 @@ class SplitByNodeAndWorker(IterableDataset[dict[str, int]]):
         info = torch.utils.data.get_worker_info()
         wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
         shard, shards = rank * nw + wid, world * nw
-        return iter({"index": i} for i in range(shard, self.n, shards))
+        return range(shard, self.n, shards)
+
+    def __iter__(self) -> Any:
+        return iter({"index": i} for i in self.indices())
 
 
 # --------------------------------------------------------------------------- odd batch types
