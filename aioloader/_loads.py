@@ -410,8 +410,8 @@ class SkipLog:
 
 
 def ops_on_this_thread() -> None:
-    """A load thread's torch ops run on that thread alone; every other thread keeps its
-    count (issue 23).
+    """A helper thread's torch ops (a load thread's; the in-process fetch thread's) run on
+    that thread alone; every other thread keeps its count (issue 23).
 
     ``torch.set_num_threads`` is not used: besides this thread's OpenMP count it stores the
     count process-wide, where any thread that has run no parallel op yet (a new one, or the

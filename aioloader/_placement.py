@@ -3,24 +3,23 @@ prove short and busy, else in the loader's fetch thread (issue 23).
 
 A thread hop costs two thread wake-ups a batch (80-100 us on the 2-core machine), as much as
 a whole batch of small samples. Torch's ``num_workers=0`` runs the fetch on the caller's
-thread; so do we, for fetches that have shown they cannot hold the loop for long: each of the last
-``proof`` fetches in the thread was busy for at least ``busy`` of its wall time (its
-thread's CPU time over its wall time) and took at most ``4 * limit``. The thread's times
-only bound the loop's: there torch runs on one OpenMP thread, not the caller's team, and a
-large batch allocated there faults its pages in on one core (a fresh thread's 9.6 MB image
-batches: 4.4-6 ms, against 0.3 ms on the loop once warm). A fetch that waits
-on anything (a sleep, a file, a lock, a future of the caller's loop) is idle for most of its
-wall time, so it stays in the thread, where waiting is harmless.
+thread; so do we, for fetches that have shown they cannot hold the loop for long: each of
+the last ``proof`` fetches in the thread was busy for at least ``busy`` of its wall time
+(its thread's CPU time over its wall time) and took at most ``4 * limit`` (``cold``). The
+thread's times only bound the loop's: there torch runs on one OpenMP thread, not the
+caller's team, and a large batch allocated there faults its pages in on one core (a fresh
+thread's 9.6 MB image batches: 4.4-6 ms, against 0.3 ms on the loop once warm). A fetch
+that waits on anything (a sleep, a file, a lock, a future of the caller's loop) is idle for
+most of its wall time, so it stays in the thread, where waiting is harmless.
 
 On the loop, a fetch that takes longer than ``limit`` (the first ``WARM_UP`` there, whose
-memory is cold, ``4 * limit``)
-sends the fetches back to the thread if it waited, or if the one before it was past the
-bound too (a busy one-off, a collection or a cold allocation, is let pass: going back is
-dear); the next proof is four times as long (up to ``MAX_PROOF``), and each run of
-``proof`` fetches on the loop halves it again (down to ``PROOF``). So the loop waits at most
-``limit`` for a fetch, but for the one or two that send them back; a dataset whose samples
-are sometimes slow does that less and less often, and a machine's passing load costs a short
-proof. A fetch that raises proves nothing.
+memory is cold, ``cold``) sends the fetches back to the thread if it waited, or if the one
+before it was past the bound too (a busy one-off, a collection or a cold allocation, is let
+pass: going back is dear); the next proof is four times as long (up to ``MAX_PROOF``), and
+each run of ``proof`` fetches on the loop halves it again (down to ``PROOF``). So the loop
+waits at most ``limit`` for a fetch, but for the one or two that send them back; a dataset
+whose samples are sometimes slow does that less and less often, and a machine's passing
+load costs a short proof. A fetch that raises proves nothing.
 """
 
 from __future__ import annotations
@@ -52,12 +51,17 @@ class Placement:
     over: bool = False  # the last fetch on the loop was busy past the bound
     moved: int = 0  # fetches on the loop since the last move there
 
+    @property
+    def cold(self) -> float:
+        """The bound where times say less: in the thread, and first on the loop."""
+        return 4 * self.limit
+
     def saw(self, wall: float, cpu: float, *, on_loop: bool) -> None:
         """A fetch took ``wall`` seconds, ``cpu`` of them on its thread's CPU."""
         if on_loop:
             self.moved += 1
-            cold = self.moved <= WARM_UP  # its memory and the caller's team may be cold
-            over = wall > (4 * self.limit if cold else self.limit)
+            warming = self.moved <= WARM_UP  # its memory and the caller's team may be cold
+            over = wall > (self.cold if warming else self.limit)
             # Past the bound: at once if it waited (a read, a sleep: what the thread is
             # for); if it was busy, on the second in a row (a collection, an epoch's first
             # batch, a page-faulting allocation are one-offs, and going back is dear: a
@@ -72,7 +76,7 @@ class Placement:
             if self.streak >= self.proof and self.proof > PROOF:
                 self.proof, self.streak = max(self.proof // 2, PROOF), 0
             return
-        short = wall <= 4 * self.limit and cpu >= self.busy * wall
+        short = wall <= self.cold and cpu >= self.busy * wall
         self.streak = self.streak + 1 if short else 0
         if self.streak >= self.proof:
             self.inline, self.streak, self.moved = True, 0, 0

@@ -106,13 +106,14 @@ class Setup:
         """Why a state taken on another shape (world size; a stream's workers) cannot resume
         here; None: the rest of its epoch can be dealt again (``_reshape``)."""
         c = self.config
-        by_workers, by_ranks = splits_itself(c.source, c.kind)
+        if c.kind is not Kind.MAP and any(splits_itself(c.source, c.kind)):
+            # Lazy or cached alike: a cache puts its workers' instances back together one
+            # by one, the source's own order only if it splits itself one by one.
+            return ("the source splits itself between the workers or ranks, so the loader "
+                    "cannot tell which shard read which instance: resume on the num_workers "
+                    "and world size the state was taken with (or let the loader shard a "
+                    "reader)")
         if c.lazy:
-            if by_workers or by_ranks:
-                return ("the source splits itself between the workers or ranks, so the loader "
-                        "cannot tell which shard read which instance: resume on the "
-                        "num_workers and world size the state was taken with (or let the "
-                        "loader shard a reader)")
             if c.batching.options.sampler is not None:
                 return ("a BatchSampler's blocks depend on their instances, so the batches a "
                         "stream delivered cannot be told without reading them again: resume "
@@ -122,15 +123,9 @@ class Setup:
             return ("a batch_sampler of your own deals the samples between the ranks, so only "
                     "it could deal the rest of the epoch again: resume on the same world size, "
                     "or let the loader sample (batch_size=, shuffle=)")
-        if c.kind is not Kind.MAP:
-            if self.plan_spec.sampler is not None:
-                return ("a BatchSampler over a cached reader batches each rank's own "
-                        "instances, which other ranks never see: resume on the same world size")
-            if by_workers or by_ranks:
-                return ("the source splits itself between the workers or ranks, so the loader "
-                        "cannot tell which shard read which instance, nor put them back in "
-                        "the source's order: resume on the num_workers and world size the "
-                        "state was taken with (or let the loader shard a reader)")
+        if c.kind is not Kind.MAP and self.plan_spec.sampler is not None:
+            return ("a BatchSampler over a cached reader batches each rank's own "
+                    "instances, which other ranks never see: resume on the same world size")
         return None
 
     def reframe(self, states: list[ResumePoint]) -> StreamPosition:
