@@ -15,11 +15,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from ._codec import tensors_nbytes
+from ._collate import TORCH_COLLATE_IN_THREADS, use_allocator
 from ._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad, ops_on_this_thread
 from ._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
 from ._placement import Placement, place
 from ._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
 from ._producers import Plan, Plans
+from ._recycle import MIN_BYTES, Recycler
 from ._session import Activity, Delivered, PassDone
 from ._sources import Kind, Unhooked
 from ._stats import NO_ARENA, ArenaStats, WorkerStats
@@ -50,6 +52,8 @@ class _InProcess:
         self._skips = skips if skips is not None else SkipLog()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.placement = Placement()
+        self.memory = Recycler()
+        self.reuse = True  # until a batch shows it has no large tensor
         self._work: Work | None = None
         self._stage: LoadStage | None = None
 
@@ -71,6 +75,22 @@ class _InProcess:
         if self.private:
             return fn(*args)
         return await place(self.placement, self.offload, fn, *args)
+
+    def collate(self, items: list[Any]) -> Any:
+        """``items`` collated; while batches are large, their large tensors in reused memory
+        (``aioloader._recycle``), by our collate or by torch's ``default_collate`` however it
+        is called meanwhile. Small batches skip that (10-14 us a batch: 12 % of tiny's)."""
+        if not self.reuse:
+            return self.pipe.collate(items)
+        with use_allocator(self.memory), TORCH_COLLATE_IN_THREADS.scope():
+            return self.pipe.collate(items)
+
+    def delivered(self, batch: Any, mark: Any = None) -> Delivered:
+        """``batch`` to hand over; its size decides whether the next is built in reused
+        memory."""
+        nbytes = tensors_nbytes(batch)
+        self.reuse = nbytes >= MIN_BYTES
+        return Delivered(batch, mark=mark, nbytes=nbytes)
 
     def stop_thread(self) -> None:
         thread, self._thread = self._thread, None
@@ -110,6 +130,7 @@ class _InProcess:
     async def aclose(self, grace: float) -> None:
         await self.end_pass()
         self.stop_thread()
+        self.memory.close()
 
     def close(self, grace: float) -> None:
         """No loop to wait on here: cancelling is what is left."""
@@ -122,6 +143,7 @@ class _InProcess:
         if stage is not None:
             stage.abandon()
         self.stop_thread()
+        self.memory.close()
 
 
 def _close_sync(it: Iterator[Any] | None) -> None:
@@ -151,7 +173,7 @@ class LocalIndex(_InProcess):
         self._ended: PassDone | None = None
 
     def _fetch(self, indices: list[int]) -> Any:
-        return self.pipe.collate(self.pipe.fetch(indices, self.touch))
+        return self.collate(self.pipe.fetch(indices, self.touch))
 
     async def next(self) -> Delivered | PassDone:
         if self.pipe.loads is not None:
@@ -160,7 +182,7 @@ class LocalIndex(_InProcess):
         if isinstance(indices, PassDone):
             return indices
         batch = await self.run(self._fetch, indices)
-        return Delivered(batch, nbytes=tensors_nbytes(batch))
+        return self.delivered(batch)
 
     async def _next_loaded(self) -> Delivered | PassDone:
         while True:
@@ -181,8 +203,8 @@ class LocalIndex(_InProcess):
                 self.touch()
             if not group:
                 continue  # every key of this batch was skipped (and reported)
-            batch = await self.run(self.pipe.collate, group)
-            return Delivered(batch, nbytes=tensors_nbytes(batch))
+            batch = await self.run(self.collate, group)
+            return self.delivered(batch)
 
     async def _pass(self) -> AsyncIterator[list[int]]:
         """The index batches of this pass; its end is kept for :meth:`next`."""
@@ -228,7 +250,7 @@ class LocalStream(_InProcess):
             value, mark = got
             self._shard.delivered(mark)
             self._produced += 1
-            return Delivered(value, mark=mark, nbytes=tensors_nbytes(value))
+            return self.delivered(value, mark)
         done = PassDone(self._produced == 0)
         await self.end_pass()
         self._shard.ended()
@@ -240,14 +262,14 @@ class LocalStream(_InProcess):
         if isinstance(steps, Unhooked):
             async for step in steps:
                 if isinstance(step, Batch):
-                    return self.pipe.collate(step.items), step.mark
+                    return self.collate(step.items), step.mark
             return None
         return await self.offload(self._collated, steps)
 
     def _collated(self, steps: Iterator[Step]) -> tuple[Any, Any] | None:
         for step in steps:  # in the thread
             if isinstance(step, Batch):
-                return self.pipe.collate(step.items), step.mark
+                return self.collate(step.items), step.mark
         return None
 
     def behind(self) -> str:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib
+import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.process
 import os
@@ -400,7 +401,7 @@ class Standby:
         """In the starter thread: make this process worker ``spec.worker_id``, talking over
         ``worker_sock``. False when it is gone (it is reaped): spawn another instead."""
         try:
-            if self.started.exception() is not None or self.process.exitcode is not None:
+            if self.started.exception() is not None or self.exited():
                 _stop([self], 0.0)
                 return False
             assert self.surroundings is not None
@@ -414,6 +415,13 @@ class Standby:
             return True
         finally:
             self.dismiss()
+
+    def exited(self) -> bool:
+        """Whether the started process has exited. Its sentinel, not ``exitcode``: the
+        kernel closes a dying process's fds (the sentinel first when its number is lower)
+        before ``waitpid`` can reap it, so a parent that saw the sentinel could still find
+        ``exitcode`` None, and hand its spec to a socket the dying process has not closed."""
+        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout=0))
 
     def dismiss(self) -> None:
         """Close our end: a standby still waiting sees EOF and exits."""
