@@ -21,7 +21,7 @@ from ._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
 from ._placement import Placement, place
 from ._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
 from ._producers import Plan, Plans
-from ._recycle import MIN_BYTES, Recycler
+from ._recycle import MEMORY, MIN_BYTES
 from ._session import Activity, Delivered, PassDone
 from ._sources import Kind, Unhooked
 from ._stats import NO_ARENA, ArenaStats, WorkerStats
@@ -52,7 +52,6 @@ class _InProcess:
         self._skips = skips if skips is not None else SkipLog()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.placement = Placement()
-        self.memory = Recycler()
         self.reuse = True  # until a batch shows it has no large tensor
         self._work: Work | None = None
         self._stage: LoadStage | None = None
@@ -82,7 +81,7 @@ class _InProcess:
         is called meanwhile. Small batches skip that (10-14 us a batch: 12 % of tiny's)."""
         if not self.reuse:
             return self.pipe.collate(items)
-        with use_allocator(self.memory), TORCH_COLLATE_IN_THREADS.scope():
+        with use_allocator(MEMORY), TORCH_COLLATE_IN_THREADS.scope():
             return self.pipe.collate(items)
 
     def delivered(self, batch: Any, mark: Any = None) -> Delivered:
@@ -130,7 +129,6 @@ class _InProcess:
     async def aclose(self, grace: float) -> None:
         await self.end_pass()
         self.stop_thread()
-        self.memory.close()
 
     def close(self, grace: float) -> None:
         """No loop to wait on here: cancelling is what is left."""
@@ -143,7 +141,6 @@ class _InProcess:
         if stage is not None:
             stage.abandon()
         self.stop_thread()
-        self.memory.close()
 
 
 def _close_sync(it: Iterator[Any] | None) -> None:

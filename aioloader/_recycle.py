@@ -17,6 +17,7 @@ thread drops it. Small tensors come from ``torch.empty``: malloc reuses those an
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -25,6 +26,7 @@ import torch
 
 MIN_BYTES = 256 << 10  # smaller tensors: torch.empty (malloc's own free lists reuse them)
 KEEP = 4  # free buffers kept: a batch or two of a few large tensors each
+KEEP_BYTES = 64 << 20  # and their bytes, at most (glibc keeps up to that much heap too)
 SLACK = 1.5  # a buffer serves a tensor this many times smaller at most
 PAGE = 64 << 10  # new buffers are rounded up to this: a tensor kept pins at most that more
 
@@ -32,11 +34,21 @@ PAGE = 64 << 10  # new buffers are rounded up to this: a tensor kept pins at mos
 class Recycler:
     """An allocator (``aioloader._collate.Allocator``) over reused buffers."""
 
-    def __init__(self, keep: int = KEEP) -> None:
+    def __init__(self, keep: int = KEEP, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep = keep
+        self.keep_bytes = keep_bytes
+        self._reset()
+
+    def _reset(self) -> None:
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
-        self._closed = False
+        self._pid = os.getpid()
+
+    def _here(self) -> None:
+        """In a forked child, start afresh: the parent's lock may have been held at the fork
+        (by a fetch thread), and its free buffers are the parent's to reuse."""
+        if os.getpid() != self._pid:
+            self._reset()
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = 1
@@ -55,33 +67,33 @@ class Recycler:
         return torch.from_numpy(view).view(dtype).view(shape)
 
     def _take(self, nbytes: int) -> np.ndarray | None:
-        """The smallest free buffer that holds ``nbytes`` without wasting most of it."""
+        """The free buffer that last came back among those that hold ``nbytes`` without
+        wasting most of it: the likeliest to be in the cache still."""
+        self._here()
         with self._lock:
-            fits = [b for b in self._free if nbytes <= b.nbytes <= nbytes * SLACK + PAGE]
-            if not fits:
-                return None
-            best = min(fits, key=lambda b: b.nbytes)
-            self._free.remove(best)
-            return best
+            for at in range(len(self._free) - 1, -1, -1):
+                if nbytes <= self._free[at].nbytes <= nbytes * SLACK + PAGE:
+                    return self._free.pop(at)
+            return None
 
     def _give_back(self, buffer: np.ndarray) -> None:
+        self._here()
         with self._lock:
-            if self._closed:
-                return
-            self._free.append(buffer)
-            if len(self._free) > self.keep:
-                del self._free[0]  # the oldest: sizes drift (padded text) with the data
+            free = self._free
+            free.append(buffer)
+            while free and (len(free) > self.keep
+                            or sum(b.nbytes for b in free) > self.keep_bytes):
+                del free[0]  # the oldest: sizes drift (padded text) with the data
 
     def held(self) -> int:
         """Bytes kept in free buffers (diagnostics and tests)."""
         with self._lock:
             return sum(b.nbytes for b in self._free)
 
-    def close(self) -> None:
-        """Keep nothing from now on: buffers still lent out are freed with their tensors."""
-        with self._lock:
-            self._closed = True
-            self._free.clear()
+
+# One for the process: loaders come and go (one built per call, per epoch), the warm memory
+# stays, as glibc's heap would have kept it.
+MEMORY = Recycler()
 
 
 def _comes_and_goes(nbytes: int) -> None:

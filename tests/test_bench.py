@@ -109,7 +109,7 @@ def test_quick_tiny_json_holds_runs_and_summary(
     for side in ("aioloader", "torch", "aioloader@0"):
         (run,) = tiny["runs"][side]
         assert {"batches_per_s", "mb_per_s", "ttfb_ms", "stall_ms", "cpu_ms_per_batch",
-                "peak_rss_mb"} <= set(run)
+                "faults_per_batch", "peak_rss_mb"} <= set(run)
     metrics = {row["metric"] for row in tiny["summary"]}
     assert {"batches_per_s", "ttfb_ms", "stall_ms", "cpu_ms_per_batch"} <= metrics
     for row in tiny["summary"]:

@@ -122,12 +122,15 @@ def test_a_buffer_serves_only_tensors_near_its_size() -> None:
     assert small.data_ptr() != address
 
 
-def test_after_close_nothing_is_kept() -> None:
-    memory = Recycler()
-    batch = collate(memory, images(4))
-    memory.close()
-    del batch
-    assert memory.held() == 0
+def test_it_keeps_a_bounded_number_of_free_bytes() -> None:
+    """A batch larger than the bound is not kept at all: freed, as torch's would be."""
+    memory = Recycler(keep_bytes=3 * 8 * 150_528)
+    batches = [collate(memory, images(8, start=k)) for k in range(5)]
+    del batches
+    assert 0 < memory.held() <= 3 * 8 * 150_528
+    huge = collate(memory, images(32))
+    del huge
+    assert memory.held() <= 3 * 8 * 150_528
 
 
 @dataclasses.dataclass
@@ -226,3 +229,27 @@ def test_torch_default_collate_reuses_memory_too(collate_fn: str) -> None:
         check(kept, 64)
     finally:
         loader.close()
+
+
+def _drop_in_child(memory: Recycler, box: list[Any]) -> None:
+    memory._lock.acquire()  # as if the fetch thread held it at the fork: taking it would hang
+    box.clear()
+
+
+def test_a_batch_dropped_in_a_forked_child_does_not_hang_there() -> None:
+    """The child inherits the finalizers, and maybe a lock that the fetch thread held at the
+    fork: dropping the parent's batch there must not wait for it. The parent's pool is its
+    own."""
+    import multiprocessing
+
+    memory = Recycler()
+    box = [collate(memory, images(4))]
+    held = memory.held()
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_drop_in_child, args=(memory, box))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert memory.held() == held
+    box.clear()  # here it comes back
+    assert memory.held() > held

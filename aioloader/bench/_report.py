@@ -19,6 +19,7 @@ THROUGHPUT_METRICS = (
     ("ttfb_ms", "first batch ms"),
     ("stall_ms", "epoch stall ms"),
     ("cpu_ms_per_batch", "main CPU ms/batch"),
+    ("faults_per_batch", "main faults/batch"),
     ("peak_rss_mb", "peak RSS +MB"),
     # The consumer's wait share, from loader.stats() (aioloader only). The bench's consumer
     # does no work, so it is near 100 %: the loader is the bottleneck by design here.
