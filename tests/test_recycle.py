@@ -253,3 +253,31 @@ def test_a_batch_dropped_in_a_forked_child_does_not_hang_there() -> None:
     assert memory.held() == held
     box.clear()  # here it comes back
     assert memory.held() > held
+
+
+async def test_two_loaders_at_once_and_one_dropped_unclosed() -> None:
+    """Two in-process loaders share the process's buffers: interleaved, each batch stays its
+    own; loaders built per call and dropped without a close leave the others intact."""
+    a = aioloader.DataLoader(Images(64), batch_size=8, quiet=True)
+    b = aioloader.DataLoader(Images(64), batch_size=8, shuffle=True, seed=3, quiet=True)
+    kept_a: list[Any] = []
+    kept_b: list[Any] = []
+    try:
+        other = aiter(b)
+        async for x in a:
+            kept_a.append(x)
+            kept_b.append(await anext(other))
+            dropped = aioloader.DataLoader(Images(16), batch_size=8, quiet=True)
+            async for _ in dropped:
+                break
+            del dropped
+            gc.collect()
+        check(kept_a, 8)
+        for y in kept_b:
+            labels = y["label"].tolist()
+            assert y["image"][:, 0, 0, 0].tolist() == [v % 251 for v in labels]
+            assert bool((y["image"] == y["image"][:, :1, :1, :1]).all())
+        assert sorted(v for y in kept_b for v in y["label"].tolist()) == list(range(64))
+    finally:
+        await a.aclose()
+        await b.aclose()
