@@ -46,6 +46,7 @@ from ._info import WorkerInfo, set_worker_info
 from ._loads import ALL_SKIPPED, LoadOptions, LoadStage
 from ._pipeline import BatchOptions, Boundary, InOrder, Pipeline, each
 from ._position import Mark, ShardPosition
+from ._recycle import MEMORY
 from ._samplers import derive_seed
 from ._sources import Kind, Unhooked
 
@@ -366,7 +367,8 @@ class _Channel:
             return False
         pool = self.pool
         if isinstance(pool, RefPool):  # a thread worker: the batch itself, by reference
-            payload = make()
+            with use_allocator(MEMORY):  # memory that batches dropped before left warm
+                payload = make()
             pool.put(slot, payload)
             busy = time.monotonic() - self.started - self.idle
             await self.send(wire.Batch(slot, seq, tensors_nbytes(payload), None, mark, busy))

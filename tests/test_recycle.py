@@ -281,3 +281,22 @@ async def test_two_loaders_at_once_and_one_dropped_unclosed() -> None:
     finally:
         await a.aclose()
         await b.aclose()
+
+
+def test_thread_workers_build_their_batches_in_reused_memory() -> None:
+    """Thread workers hand batches over by reference: the same buffers serve them, and a
+    batch kept while the workers build the next ones stays intact."""
+    loader = aioloader.DataLoader(Images(8 * 12), batch_size=8, num_workers=2,
+                                  worker_type="thread", quiet=True)
+    try:
+        kept = list(loader)
+        check(kept, 8)
+        assert len({b["image"].data_ptr() for b in kept}) == 12
+        assert all(b["image"].untyped_storage().nbytes() == b["image"].nbytes for b in kept)
+        del kept
+        gc.collect()
+        seen = {batch["image"].data_ptr() for batch in loader}
+        assert len(seen) <= 2 * 4 + 2, seen  # what the workers may hold in flight, not 12
+        check(list(loader), 8)
+    finally:
+        loader.close()
