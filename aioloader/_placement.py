@@ -7,8 +7,8 @@ thread; so do we, for fetches that have shown they cannot hold the loop for long
 the last ``proof`` fetches in the thread was busy for at least ``busy`` of its wall time
 (its thread's CPU time over its wall time) and took at most ``4 * limit`` (``cold``). The
 thread's times only bound the loop's: there torch runs on one OpenMP thread, not the
-caller's team, and a large batch allocated there faults its pages in on one core (a fresh
-thread's 9.6 MB image batches: 4.4-6 ms, against 0.3 ms on the loop once warm). A fetch
+caller's team, and a batch's first buffers fault their pages in on one core (a 9.6 MB image
+batch: 4.4-6 ms, against 0.3-0.5 ms once its memory is reused, ``_recycle``). A fetch
 that waits on anything (a sleep, a file, a lock, a future of the caller's loop) is idle for
 most of its wall time, so it stays in the thread, where waiting is harmless.
 
@@ -64,8 +64,8 @@ class Placement:
             over = wall > (self.cold if warming else self.limit)
             # Past the bound: at once if it waited (a read, a sleep: what the thread is
             # for); if it was busy, on the second in a row (a collection, an epoch's first
-            # batch, a page-faulting allocation are one-offs, and going back is dear: a
-            # large batch allocated in the thread faults its pages in serially).
+            # batch, a page-faulting allocation are one-offs, and going back is dear: it
+            # costs a thread hop a batch and a proof four times as long).
             if over and (cpu < self.busy * wall or self.over):
                 self.inline, self.streak, self.over = False, 0, False
                 self.returns += 1

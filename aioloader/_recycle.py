@@ -17,6 +17,7 @@ thread drops it. Small tensors come from ``torch.empty``: malloc reuses those an
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -51,10 +52,7 @@ class Recycler:
             self._reset()
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         buffer = self._take(nbytes)
