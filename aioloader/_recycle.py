@@ -39,17 +39,16 @@ class Recycler:
         self.keep = keep
         self.keep_bytes = keep_bytes
         self._reset()
+        # A forked child starts afresh: the parent's lock may have been held at the fork (by
+        # a fetch thread), and its free buffers are the parent's to reuse. A hook, not a pid
+        # compared on every call: that is a system call twice a batch.
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _reset_if_alive(me))
 
     def _reset(self) -> None:
         self._free: list[np.ndarray] = []
+        self._held = 0  # bytes in _free
         self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def _here(self) -> None:
-        """In a forked child, start afresh: the parent's lock may have been held at the fork
-        (by a fetch thread), and its free buffers are the parent's to reuse."""
-        if os.getpid() != self._pid:
-            self._reset()
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -67,26 +66,33 @@ class Recycler:
     def _take(self, nbytes: int) -> np.ndarray | None:
         """The free buffer that last came back among those that hold ``nbytes`` without
         wasting most of it: the likeliest to be in the cache still."""
-        self._here()
         with self._lock:
-            for at in range(len(self._free) - 1, -1, -1):
-                if nbytes <= self._free[at].nbytes <= nbytes * SLACK + PAGE:
-                    return self._free.pop(at)
+            free = self._free
+            for at in range(len(free) - 1, -1, -1):
+                if nbytes <= free[at].nbytes <= nbytes * SLACK + PAGE:
+                    buffer = free.pop(at)
+                    self._held -= buffer.nbytes
+                    return buffer
             return None
 
     def _give_back(self, buffer: np.ndarray) -> None:
-        self._here()
         with self._lock:
             free = self._free
             free.append(buffer)
-            while free and (len(free) > self.keep
-                            or sum(b.nbytes for b in free) > self.keep_bytes):
-                del free[0]  # the oldest: sizes drift (padded text) with the data
+            self._held += buffer.nbytes
+            while len(free) > self.keep or self._held > self.keep_bytes:
+                self._held -= free.pop(0).nbytes  # the oldest: sizes drift with the data
 
     def held(self) -> int:
         """Bytes kept in free buffers (diagnostics and tests)."""
         with self._lock:
-            return sum(b.nbytes for b in self._free)
+            return self._held
+
+
+def _reset_if_alive(ref: weakref.ref[Recycler]) -> None:
+    recycler = ref()
+    if recycler is not None:
+        recycler._reset()
 
 
 # One for the process: loaders come and go (one built per call, per epoch), the warm memory

@@ -231,8 +231,7 @@ def test_torch_default_collate_reuses_memory_too(collate_fn: str) -> None:
         loader.close()
 
 
-def _drop_in_child(memory: Recycler, box: list[Any]) -> None:
-    memory._lock.acquire()  # as if the fetch thread held it at the fork: taking it would hang
+def _drop_in_child(box: list[Any]) -> None:
     box.clear()
 
 
@@ -246,8 +245,9 @@ def test_a_batch_dropped_in_a_forked_child_does_not_hang_there() -> None:
     box = [collate(memory, images(4))]
     held = memory.held()
     ctx = multiprocessing.get_context("fork")
-    child = ctx.Process(target=_drop_in_child, args=(memory, box))
-    child.start()
+    child = ctx.Process(target=_drop_in_child, args=(box,))
+    with memory._lock:  # as if the fetch thread held it at the fork: the child's copy is held
+        child.start()
     child.join(60)
     assert child.exitcode == 0
     assert memory.held() == held
