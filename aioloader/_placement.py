@@ -36,6 +36,7 @@ BUSY = 0.75  # CPU over wall time: below this a fetch waited for something
 PROOF = 2  # fetches in a row, in the thread, before one runs on the loop
 WARM_UP = 4  # the first fetches on the loop after a move are judged as the proof's
 MAX_PROOF = 2048
+TINY = 50e-6  # s: a fetch this short is short and busy (its CPU time is mostly clock noise)
 
 
 @dataclass
@@ -76,7 +77,8 @@ class Placement:
             if self.streak >= self.proof and self.proof > PROOF:
                 self.proof, self.streak = max(self.proof // 2, PROOF), 0
             return
-        short = wall <= self.cold and cpu >= self.busy * wall
+        # A fetch of a few clock reads cannot have waited for long, whatever its ratio says.
+        short = wall <= TINY or (wall <= self.cold and cpu >= self.busy * wall)
         self.streak = self.streak + 1 if short else 0
         if self.streak >= self.proof:
             self.inline, self.streak, self.moved = True, 0, 0

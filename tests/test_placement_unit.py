@@ -107,3 +107,31 @@ async def test_place_runs_here_once_proven_and_a_failure_proves_nothing() -> Non
     with pytest.raises(KeyError, match="sample 7"):
         await place(placement, offload, fetch, True)
     assert not placement.inline and placement.streak == 0
+
+
+async def test_a_short_plan_moves_onto_the_loop_and_one_that_waits_stays_in_the_thread() -> None:
+    """Each pass of a map-style loader is planned by ``Plans``: the first in a thread; once
+    one proved short and busy, the next ones on the loop (no thread hop at each epoch's
+    start). A plan that waits (a user's sampler reading something) stays in the thread."""
+    from aioloader._producers import Plans
+    from aioloader._session import PassDone
+
+    here = threading.get_ident()
+    where: list[int] = []
+
+    def short(pass_no: int) -> list[list[int]]:
+        where.append(threading.get_ident())
+        return [[pass_no]]
+
+    def waits(pass_no: int) -> list[list[int]]:
+        where.append(threading.get_ident())
+        threading.Event().wait(LIMIT * 2)  # idle: what a read does to a thread's CPU time
+        return [[pass_no]]
+
+    for plan, on_loop in ((short, [False, True, True]), (waits, [False, False, False])):
+        where.clear()
+        plans = Plans(plan, 0)
+        for pass_no in range(3):
+            assert await plans.next() == [pass_no]
+            assert isinstance(await plans.next(), PassDone)
+        assert [w == here for w in where] == on_loop, plan.__name__
