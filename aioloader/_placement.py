@@ -4,26 +4,35 @@ prove short and busy, else in the loader's fetch thread (issue 23).
 A thread hop costs two thread wake-ups a batch (80-100 us on the 2-core machine), as much as
 a whole batch of small samples. Torch's ``num_workers=0`` runs the fetch on the caller's
 thread; so do we, for fetches that have shown they cannot hold the loop for long: each of
-the last ``proof`` fetches in the thread was busy for at least ``busy`` of its wall time
-(its thread's CPU time over its wall time) and took at most ``4 * limit`` (``cold``). The
+the last ``proof`` fetches in the thread took at most ``4 * limit`` (``cold``) and did not
+wait: its thread's CPU time was at least ``busy`` of its wall time, or the thread never
+gave up its core of its own accord (no voluntary context switch; a machine's load takes
+threads off their cores without their waiting for anything). The
 thread's times only bound the loop's: there torch runs on one OpenMP thread, not the
 caller's team, and a batch's first buffers fault their pages in on one core (a 9.6 MB image
 batch: 4.4-6 ms, against 0.3-0.5 ms once its memory is reused, ``_recycle``). A fetch
 that waits on anything (a sleep, a file, a lock, a future of the caller's loop) is idle for
 most of its wall time, so it stays in the thread, where waiting is harmless.
 
-On the loop, a fetch that takes longer than ``limit`` (the first ``WARM_UP`` there, whose
-memory is cold, ``cold``) sends the fetches back to the thread if it waited, or if the one
-before it was past the bound too (a busy one-off, a collection or a cold allocation, is let
-pass: going back is dear); the next proof is four times as long (up to ``MAX_PROOF``), and
-each run of ``proof`` fetches on the loop halves it again (down to ``PROOF``). So the loop
-waits at most ``limit`` for a fetch, but for the one or two that send them back; a dataset
-whose samples are sometimes slow does that less and less often, and a machine's passing
-load costs a short proof. A fetch that raises proves nothing.
+On the loop, a fetch that waited past ``limit`` sends the fetches back to the thread at
+once. Busy fetches are judged by their typical time, not one by one: a moving average
+(weight ``1/8``, each fetch counted at most ``2 * limit``) over ``limit`` sends them back,
+and so do two in a row past ``cold`` (the first ``WARM_UP`` there, whose memory is cold, are
+judged by that alone). A busy fetch's time spreads with the machine's load (an image batch
+of 1.1-1.9 ms in a fresh process on the 2-core machine), and going back is dear (a thread
+hop a batch, and a proof four times as long): judged one by one against the bound, such
+batches went back in half the runs of ``aioloader bench``, 8-10 of 80 batches in the
+thread. The next proof is four times as long (up to ``MAX_PROOF``), and each run of
+``proof`` fetches on the loop halves it again (down to ``PROOF``). So the loop waits for a
+fetch about ``limit`` at most, typically: a dataset whose fetches grow past it for good
+sends them back within 4-9 fetches (at once if they wait), one whose samples are sometimes
+slow does that less and less often, and a machine's passing load costs a short proof. A
+fetch that raises proves nothing.
 """
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,6 +45,7 @@ BUSY = 0.75  # CPU over wall time: below this a fetch waited for something
 PROOF = 2  # fetches in a row, in the thread, before one runs on the loop
 WARM_UP = 4  # the first fetches on the loop after a move are judged as the proof's
 MAX_PROOF = 2048
+SMOOTH = 1 / 8  # the weight of a fetch in the moving average of those on the loop
 TINY = 50e-6  # s: a fetch this short is short and busy (its CPU time is mostly clock noise)
 
 
@@ -49,50 +59,82 @@ class Placement:
     inline: bool = False  # the next fetch runs on the loop
     streak: int = 0  # in the thread: short, busy fetches in a row; on the loop: within bound
     returns: int = 0  # times a fetch on the loop sent the fetches back to the thread
-    over: bool = False  # the last fetch on the loop was busy past the bound
+    over: bool = False  # the last fetch on the loop was busy past ``cold``
     moved: int = 0  # fetches on the loop since the last move there
+    typical: float = 0.0  # on the loop: the busy fetches' moving average (capped)
 
     @property
     def cold(self) -> float:
         """The bound where times say less: in the thread, and first on the loop."""
         return 4 * self.limit
 
-    def saw(self, wall: float, cpu: float, *, on_loop: bool) -> None:
-        """A fetch took ``wall`` seconds, ``cpu`` of them on its thread's CPU."""
+    def saw(self, wall: float, cpu: float, *, on_loop: bool, waits: int | None = None) -> None:
+        """A fetch took ``wall`` seconds, ``cpu`` of them on its thread's CPU; its thread
+        waited ``waits`` times (None: not counted, so time off the CPU counts as waiting)."""
+        waited = cpu < self.busy * wall and waits != 0
         if on_loop:
-            self.moved += 1
-            warming = self.moved <= WARM_UP  # its memory and the caller's team may be cold
-            over = wall > (self.cold if warming else self.limit)
-            # Past the bound: at once if it waited (a read, a sleep: what the thread is
-            # for); if it was busy, on the second in a row (a collection, an epoch's first
-            # batch, a page-faulting allocation are one-offs, and going back is dear: it
-            # costs a thread hop a batch and a proof four times as long).
-            if over and (cpu < self.busy * wall or self.over):
-                self.inline, self.streak, self.over = False, 0, False
-                self.returns += 1
-                self.proof = min(self.proof * 4, MAX_PROOF)
-                return
-            self.over = over
-            self.streak += 1
-            if self.streak >= self.proof and self.proof > PROOF:
-                self.proof, self.streak = max(self.proof // 2, PROOF), 0
+            self._saw_on_loop(wall, waited)
             return
-        # A fetch of a few clock reads cannot have waited for long, whatever its ratio says.
-        short = wall <= TINY or (wall <= self.cold and cpu >= self.busy * wall)
+        short = wall <= TINY or (wall <= self.cold and not waited)
         self.streak = self.streak + 1 if short else 0
         if self.streak >= self.proof:
             self.inline, self.streak, self.moved = True, 0, 0
+            self.typical = self.limit / 2
+
+    def _saw_on_loop(self, wall: float, waited: bool) -> None:
+        self.moved += 1
+        warming = self.moved <= WARM_UP  # its memory and the caller's team may be cold
+        far = wall > self.cold
+        if waited:
+            back = wall > (self.cold if warming else self.limit)
+        else:
+            # A collection, an epoch's first batch, a page-faulting allocation: one-offs,
+            # let pass; two in a row are not.
+            back = far and self.over
+            if not warming:
+                self.typical += (min(wall, 2 * self.limit) - self.typical) * SMOOTH
+                back = back or self.typical > self.limit
+        if back:
+            self.inline, self.streak, self.over = False, 0, False
+            self.returns += 1
+            self.proof = min(self.proof * 4, MAX_PROOF)
+            return
+        self.over = far and not waited
+        self.streak += 1
+        if self.streak >= self.proof and self.proof > PROOF:
+            self.proof, self.streak = max(self.proof // 2, PROOF), 0
 
     def failed(self) -> None:
         """A fetch raised: start the proof again (in the thread)."""
         self.inline, self.streak, self.over = False, 0, False
 
 
-def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
-    """``fn(*args)`` with its wall and thread CPU seconds."""
+Times = tuple[float, float, int | None]  # wall s, thread CPU s, waits (None: not counted)
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, Times]:
+    """``fn(*args)``, with its wall and thread CPU seconds and the times its thread waited.
+
+    Waits are the thread's voluntary context switches (Linux): a sleep, a read, a lock, a
+    future. CPU time short of the wall time says less: a thread that the machine's load
+    took off its core (involuntary switches) lost that time without waiting for anything
+    (on the 2-core machine, a fresh process's first image batch on the loop: 28.6 ms wall,
+    17.8 ms CPU, 3 involuntary switches and no voluntary one).
+    """
+    if _RUSAGE_THREAD is None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = fn(*args)
+        return out, (time.perf_counter() - wall, time.thread_time() - cpu, None)
+    # getrusage's CPU times move in scheduler ticks here (0.0 ms for a 1.5 ms fetch): the
+    # thread's clock for those, getrusage for the switches.
+    waits = resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
     wall, cpu = time.perf_counter(), time.thread_time()
     out = fn(*args)
-    return out, time.perf_counter() - wall, time.thread_time() - cpu
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    return out, (wall, cpu, resource.getrusage(_RUSAGE_THREAD).ru_nvcsw - waits)
+
+
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 async def place(placement: Placement, offload: Callable[..., Awaitable[Any]],
@@ -101,11 +143,11 @@ async def place(placement: Placement, offload: Callable[..., Awaitable[Any]],
     on_loop = placement.inline
     try:
         if on_loop:
-            out, wall, cpu = timed(fn, *args)
+            out, (wall, cpu, waits) = timed(fn, *args)
         else:
-            out, wall, cpu = await offload(timed, fn, *args)
+            out, (wall, cpu, waits) = await offload(timed, fn, *args)
     except BaseException:
         placement.failed()
         raise
-    placement.saw(wall, cpu, on_loop=on_loop)
+    placement.saw(wall, cpu, on_loop=on_loop, waits=waits)
     return out

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from aioloader._placement import LIMIT, MAX_PROOF, PROOF, WARM_UP, Placement, place
+from aioloader._placement import LIMIT, MAX_PROOF, PROOF, WARM_UP, Placement, place, timed
 
 SHORT, LONG = LIMIT / 2, LIMIT * 5  # LONG: too long in the thread too
 
@@ -47,23 +47,49 @@ def test_a_long_or_waiting_fetch_starts_the_proof_again(wall: float, cpu: float)
     assert placement.inline
 
 
-@pytest.mark.parametrize("how", ["waited", "busy twice"])
-def test_a_fetch_on_the_loop_past_the_bound_goes_back_for_a_longer_proof(how: str) -> None:
+def warmed() -> Placement:
+    """Proven, and past its first fetches on the loop (judged as a proof's)."""
     placement = proven()
-    saw(placement, WARM_UP, LIMIT * 3, on_loop=True)  # the first there: judged as a proof
-    placement.saw(SHORT, SHORT * 0.1, on_loop=True)  # within the bound: it stays
+    saw(placement, WARM_UP, LIMIT * 3, on_loop=True)
     assert placement.inline
+    return placement
+
+
+def back_after(placement: Placement, walls: list[float]) -> int | None:
+    """How many busy fetches of ``walls`` ran on the loop before it sent them back."""
+    for n, wall in enumerate(walls, 1):
+        placement.saw(wall, wall, on_loop=True)
+        if not placement.inline:
+            return n
+    return None
+
+
+@pytest.mark.parametrize("how", ["waited", "busy far past twice", "busy past for good"])
+def test_a_fetch_on_the_loop_past_the_bound_goes_back_for_a_longer_proof(how: str) -> None:
+    placement = warmed()
     if how == "waited":
         placement.saw(LIMIT * 1.01, 0.0, on_loop=True)
+    elif how == "busy far past twice":
+        assert back_after(placement, [LONG, LONG]) == 2  # the first is let pass
     else:
-        placement.saw(LIMIT * 1.01, LIMIT, on_loop=True)  # a busy one-off is let pass
-        assert placement.inline
-        placement.saw(LIMIT * 1.01, LIMIT, on_loop=True)
+        # Typical times past the bound: back within a few fetches, not at the first.
+        assert back_after(placement, [LIMIT * 1.5] * 20) in range(4, 10)
     assert not placement.inline and placement.returns == 1
     saw(placement, PROOF * 4 - 1, on_loop=False)
     assert not placement.inline
     placement.saw(SHORT, SHORT, on_loop=False)
     assert placement.inline
+
+
+def test_busy_fetches_that_spread_around_the_bound_stay_on_the_loop() -> None:
+    """A batch's time spreads with the machine's load: single fetches past the bound (even
+    far past it, one at a time) do not send a typical one back to the thread."""
+    placement = warmed()
+    spread = [LIMIT * x for x in (0.5, 1.4, 1.2, 0.5, 0.6, 0.7, 1.3, 0.6)] + [LONG] + [
+        LIMIT * x for x in (0.5, 0.6, 0.5)]  # 0.87x the bound on average, two past in a row
+    spread *= 20
+    assert back_after(placement, spread) is None
+    assert placement.returns == 0
 
 
 def test_fetches_within_the_bound_on_the_loop_shorten_the_proof_again() -> None:
@@ -135,3 +161,31 @@ async def test_a_short_plan_moves_onto_the_loop_and_one_that_waits_stays_in_the_
             assert await plans.next() == [pass_no]
             assert isinstance(await plans.next(), PassDone)
         assert [w == here for w in where] == on_loop, plan.__name__
+
+
+def test_time_off_the_core_without_a_wait_is_not_waiting() -> None:
+    """A loaded machine takes a thread off its core (involuntary switches): its CPU time
+    falls short of its wall time, yet it waited for nothing. Only the thread's own waits
+    (voluntary switches) make a fetch one that waited; uncounted (None), the ratio decides."""
+    wall, cpu = LIMIT * 1.5, LIMIT * 0.5
+    placement = Placement()
+    for _ in range(PROOF):
+        placement.saw(wall, cpu, waits=0, on_loop=False)
+    assert placement.inline  # proven, though off its core half the time
+    placement = warmed()
+    placement.saw(wall, cpu, waits=0, on_loop=True)
+    assert placement.inline  # busy: one past the bound is let pass
+    placement.saw(LIMIT * 1.5, LIMIT * 0.5, waits=1, on_loop=True)
+    assert not placement.inline  # it waited: back at once
+    placement = warmed()
+    placement.saw(LIMIT * 1.5, LIMIT * 0.5, waits=None, on_loop=True)
+    assert not placement.inline
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"),
+                    reason="waits are counted on Linux only")
+def test_timed_counts_a_sleep_as_a_wait_and_a_computation_as_none() -> None:
+    _, (wall, _, waits) = timed(threading.Event().wait, LIMIT)
+    assert wall >= LIMIT and waits is not None and waits >= 1
+    _, (_, cpu, waits) = timed(sum, range(200_000))
+    assert waits == 0 and cpu > 0
