@@ -47,6 +47,7 @@ WARM_UP = 4  # the first fetches on the loop after a move are judged as the proo
 MAX_PROOF = 2048
 SMOOTH = 1 / 8  # the weight of a fetch in the moving average of those on the loop
 TINY = 50e-6  # s: a fetch this short is short and busy (its CPU time is mostly clock noise)
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux: waits counted
 
 
 @dataclass
@@ -133,8 +134,6 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[T, Times]:
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     return out, (wall, cpu, resource.getrusage(_RUSAGE_THREAD).ru_nvcsw - waits)
 
-
-_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 async def place(placement: Placement, offload: Callable[..., Awaitable[Any]],

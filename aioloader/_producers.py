@@ -80,7 +80,7 @@ class Plans:
     A plan takes as long as the epoch is long (millions of indices: a randperm of them), or
     as a user's sampler takes, so the loop must not wait for one it has not seen. The next
     passes are planned on the loop once a plan proved short and busy (``_placement``, with
-    a bound of 0.5 ms: a pass of the bench's 2,560 indices takes ~30 us there, against a
+    a bound of 0.5 ms: a pass of the bench's 2,560 indices takes 10-30 us there, against a
     thread hop of 0.4-1.3 ms at every epoch's start, measured on the 2-core machine); one
     that outgrows the bound sends them back.
 
