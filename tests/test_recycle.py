@@ -104,6 +104,20 @@ def test_memory_dropped_in_another_thread_comes_back() -> None:
     assert collate(memory, images(4))["image"].data_ptr() == address
 
 
+def test_memory_of_a_batch_in_a_reference_cycle_comes_back_when_collected() -> None:
+    """The garbage collector drops it, at whatever allocation it runs: the buffer comes back
+    then, and the recycler is not left waiting on itself."""
+    memory = Recycler()
+    batch = collate(memory, images(4))
+    address = batch["image"].data_ptr()
+    batch["itself"] = batch  # a cycle: only the collector frees it
+    del batch
+    assert memory.held() == 0
+    gc.collect()
+    assert memory.held() >= 4 * 150_528
+    assert collate(memory, images(4))["image"].data_ptr() == address
+
+
 def test_it_keeps_a_bounded_number_of_free_buffers() -> None:
     memory = Recycler()
     batches = [collate(memory, images(2, start=k)) for k in range(KEEP + 3)]
