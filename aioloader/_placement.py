@@ -46,7 +46,6 @@ PROOF = 2  # fetches in a row, in the thread, before one runs on the loop
 WARM_UP = 4  # the first fetches on the loop after a move are judged as the proof's
 MAX_PROOF = 2048
 SMOOTH = 1 / 8  # the weight of a fetch in the moving average of those on the loop
-TINY = 50e-6  # s: a fetch this short is short and busy (its CPU time is mostly clock noise)
 _RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux: waits counted
 
 
@@ -76,7 +75,9 @@ class Placement:
         if on_loop:
             self._saw_on_loop(wall, waited)
             return
-        short = wall <= TINY or (wall <= self.cold and not waited)
+        # However short, a fetch that waited stays: it may wait on the caller's loop, which
+        # it would hang there (a loop round trip takes 30-50 us).
+        short = wall <= self.cold and not waited
         self.streak = self.streak + 1 if short else 0
         if self.streak >= self.proof:
             self.inline, self.streak, self.moved = True, 0, 0

@@ -47,6 +47,18 @@ def test_a_long_or_waiting_fetch_starts_the_proof_again(wall: float, cpu: float)
     assert placement.inline
 
 
+def test_a_fetch_that_waited_stays_in_the_thread_however_short() -> None:
+    """A round trip to the caller's loop takes 30-50 us: a fetch that makes one would hang
+    that loop if it ran there (it did, under a 50 us exemption: test_caller_threads)."""
+    placement = Placement()
+    for _ in range(PROOF * 4):
+        placement.saw(20e-6, 5e-6, on_loop=False, waits=1)
+    assert not placement.inline
+    for _ in range(PROOF):  # one that was only taken off its core has not waited
+        placement.saw(20e-6, 5e-6, on_loop=False, waits=0)
+    assert placement.inline
+
+
 def warmed() -> Placement:
     """Proven, and past its first fetches on the loop (judged as a proof's)."""
     placement = proven()
