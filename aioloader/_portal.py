@@ -46,6 +46,16 @@ def _orphan_loops_in_child() -> None:
 os.register_at_fork(after_in_child=_orphan_loops_in_child)
 
 
+async def _then_stop(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> T:
+    """``coro``, then a stop of ``loop`` in the same turn: ``run_until_complete`` stops it
+    from a callback of the task, one more turn of the loop (and of its selector) a call,
+    and a call is a batch of the sync adapter."""
+    try:
+        return await coro
+    finally:
+        loop.stop()
+
+
 def _let_frames_go(end: StopAsyncIteration) -> None:
     """An epoch's end, every epoch: its traceback runs through finished frames that hold
     the future or task that holds the exception (asyncio's and concurrent.futures' own
@@ -101,9 +111,12 @@ class Portal:
             # batch (26 us a batch against 54-99 us, measured on trivial batches).
             self.loop = asyncio.new_event_loop()
         loop = self.loop
-        task = loop.create_task(coro)
+        task = loop.create_task(_then_stop(coro, loop))
         try:
-            return loop.run_until_complete(task)
+            loop.run_forever()  # until the task stops it: the turn that finishes it is the last
+            if not task.done():  # something else stopped the loop
+                return loop.run_until_complete(task)
+            return task.result()
         except StopAsyncIteration as end:
             _let_frames_go(end)
             raise
