@@ -1,10 +1,11 @@
 """Portal: an event loop kept for a loader's lifetime, running coroutines for plain code.
 
-In a plain script that loop (asyncio's own) runs in the caller's thread, one
-``run_until_complete`` per batch (no ``asyncio.Runner`` per call: its SIGINT handling costs
-milliseconds a batch, see issue 9). Where the caller's thread already runs a loop (Jupyter,
-an async framework) the portal's loop runs in a thread of its own. Keeping the loop lets a
-pass that spans sync epochs keep what its reader bound to it (aiofiles files, for one).
+In a plain script that loop (asyncio's own) runs in the caller's thread, one run of it per
+batch, which the batch's coroutine stops itself (no ``asyncio.Runner`` per call: its SIGINT
+handling costs milliseconds a batch, see issue 9). Where the caller's thread already runs a
+loop (Jupyter, an async framework) the portal's loop runs in a thread of its own. Keeping the
+loop lets a pass that spans sync epochs keep what its reader bound to it (aiofiles files, for
+one).
 """
 
 from __future__ import annotations
