@@ -1,0 +1,47 @@
+"""The sync adapter's portal (``aioloader._portal``): a coroutine run to its end per call, on a
+loop kept between calls, which the call's coroutine stops itself in the turn that ends it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from aioloader._portal import Portal
+
+
+async def _after_turns(n: int) -> int:
+    for _ in range(n):
+        await asyncio.sleep(0)
+    return n
+
+
+async def _raises() -> None:
+    await asyncio.sleep(0)
+    raise KeyError("inside")
+
+
+def test_calls_return_their_results_and_raise_their_errors() -> None:
+    portal = Portal()
+    try:
+        assert portal.call(_after_turns(0)) == 0
+        assert portal.call(_after_turns(3)) == 3
+        with pytest.raises(KeyError, match="inside"):
+            portal.call(_raises())
+        assert portal.call(_after_turns(1)) == 1
+    finally:
+        portal.close()
+
+
+def test_a_call_runs_to_its_end_when_something_else_stops_the_loop() -> None:
+    """A stop left over for the next run (``run_until_complete``'s callback, when a task's
+    end stopped the loop first) ends that run early: the call goes on to its result."""
+    portal = Portal()
+    try:
+        assert portal.call(_after_turns(0)) == 0
+        assert portal.loop is not None
+        portal.loop.call_soon(portal.loop.stop)
+        assert portal.call(_after_turns(5)) == 5
+        assert portal.call(_after_turns(2)) == 2
+    finally:
+        portal.close()
