@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from ._codec import tensors_nbytes
-from ._collate import TORCH_COLLATE_IN_THREADS, use_allocator
+from ._collate import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
 from ._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad, ops_on_this_thread
 from ._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
 from ._placement import Placement, place
@@ -51,6 +51,7 @@ class _InProcess:
         self.private = False  # the loop is the sync adapter's own: blocking it is fine
         self._skips = skips if skips is not None else SkipLog()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # its helper
         self.placement = Placement()
         self.reuse = True  # until a batch shows it has no large tensor
         self._work: Work | None = None
@@ -61,8 +62,11 @@ class _InProcess:
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         if self._thread is None:
+            self._copier = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="aioloader-copy", initializer=ops_on_this_thread)
             self._thread = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="aioloader-local", initializer=ops_on_this_thread)
+                1, thread_name_prefix="aioloader-local", initializer=_fetch_thread,
+                initargs=(self._copier,))
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -93,8 +97,10 @@ class _InProcess:
 
     def stop_thread(self) -> None:
         thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.shutdown(wait=False)  # a call still running ends on its own
+        copier, self._copier = self._copier, None
+        for executor in (thread, copier):
+            if executor is not None:
+                executor.shutdown(wait=False)  # a call still running ends on its own
 
     def last_activity(self) -> float:
         return self.activity()
@@ -141,6 +147,13 @@ class _InProcess:
         if stage is not None:
             stage.abandon()
         self.stop_thread()
+
+
+def _fetch_thread(copier: concurrent.futures.Executor) -> None:
+    """The fetch thread's set-up: torch on one OpenMP thread, large stacks copied in two
+    halves with ``copier``'s thread (``_collate.copy_helper``)."""
+    ops_on_this_thread()
+    copy_helper(copier)
 
 
 def _close_sync(it: Iterator[Any] | None) -> None:

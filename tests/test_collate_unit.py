@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextvars
 import pickle
 import re
 import warnings
@@ -14,7 +16,15 @@ import pytest
 import torch
 from torch.utils.data import default_collate as torch_collate
 
-from aioloader._collate import PadCollate, default_collate, new_tensor, use_allocator
+from aioloader._collate import (
+    SPLIT_BYTES,
+    PadCollate,
+    copy_helper,
+    default_collate,
+    new_tensor,
+    use_allocator,
+)
+from aioloader._recycle import Recycler
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -423,3 +433,54 @@ def test_pad_collate_pickles_and_reprs() -> None:
     pc = pickle.loads(pickle.dumps(PadCollate(pad_value=5)))
     assert pc == PadCollate(pad_value=5) and repr(pc) == "PadCollate(pad_value=5)"
     assert pc([[1], [2, 3]]).tolist() == [[1, 5], [2, 3]]
+
+
+# ------------------------------------------------------------- a copy helper (fetch thread)
+
+
+class _Counting(concurrent.futures.ThreadPoolExecutor):
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.calls = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def _with_helper(helper: concurrent.futures.Executor, collate: Callable[[], Any]) -> Any:
+    """``collate()`` in a context whose thread has ``helper`` (the fetch thread's set-up)."""
+
+    def run() -> Any:
+        copy_helper(helper)
+        with use_allocator(Recycler()):
+            return collate()
+
+    return contextvars.copy_context().run(run)
+
+
+def _permuted_images(n: int, start: int = 0) -> list[dict[str, Any]]:
+    """HWC pixels seen as CHW, as ``pil_to_tensor``-style datasets hand them over."""
+    return [{"image": torch.arange(224 * 224 * 3, dtype=torch.int32).add(start + i)
+             .to(torch.uint8).view(224, 224, 3).permute(2, 0, 1), "label": i}
+            for i in range(n)]
+
+
+def test_a_large_stack_copies_half_its_rows_in_the_helper_and_is_the_same_batch() -> None:
+    samples = _permuted_images(64)
+    assert SPLIT_BYTES <= 64 * 3 * 224 * 224
+    with _Counting() as helper:
+        batch = _with_helper(helper, lambda: default_collate(samples))
+        assert helper.calls == 1
+        small = _with_helper(helper, lambda: default_collate(samples[:8]))
+        assert helper.calls == 1  # under SPLIT_BYTES: one copy here
+    assert_same(batch, torch_collate(samples))
+    assert_same(small, torch_collate(samples[:8]))
+
+
+def test_a_stack_that_fails_in_halves_fails_as_torch_stack_does() -> None:
+    samples = _permuted_images(64)
+    samples[40]["image"] = samples[40]["image"][:, :100]
+    with _Counting() as helper, pytest.raises(RuntimeError, match=r"stack expects each tensor "
+                                                                   r".*\['image'\]"):
+        _with_helper(helper, lambda: default_collate(samples))
