@@ -32,7 +32,8 @@ Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 _allocator: ContextVar[Allocator | None] = ContextVar("aioloader_allocator", default=None)
 _helper: ContextVar[Executor | None] = ContextVar("aioloader_copy_helper", default=None)
-SPLIT_BYTES = 4 << 20  # a stack into memory this large copies half its rows in the helper
+SPLIT_BYTES = 4 << 20  # a stack into memory this large is shared with the helper
+CHUNKS = 8  # in this many pieces: what this thread may wait for is one of them
 
 
 class Collate(Protocol):
@@ -249,7 +250,7 @@ def _stack(tensors: Sequence[Any], path: _Path) -> torch.Tensor:
 
 
 def copy_helper(executor: Executor) -> None:
-    """Let large stacks collated in this thread copy half their rows in ``executor`` meanwhile.
+    """Let large stacks collated in this thread share their copying with ``executor``'s.
 
     For a thread that runs torch on one OpenMP thread of its own (the in-process fetch
     thread, ``_loads.ops_on_this_thread``): a second OpenMP team would fight the caller's
@@ -261,18 +262,27 @@ def copy_helper(executor: Executor) -> None:
 
 
 def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
-    """``torch.stack(tensors, out=out)``; a large one in two halves at once, where this thread
-    has a helper (:func:`copy_helper`). torch lets go of the GIL while it copies."""
+    """``torch.stack(tensors, out=out)``; a large one in chunks that this thread and its
+    helper (:func:`copy_helper`) take in turn, at once (torch lets go of the GIL while it
+    copies). The helper runs at the lowest priority: whatever it has not started when this
+    thread runs out of chunks, this thread copies, so at worst it waits for one chunk."""
     helper = _helper.get()
     if helper is None or len(tensors) < 2 or out.nbytes < SPLIT_BYTES:
         return torch.stack(tensors, 0, out=out)  # type: ignore[arg-type]
     rows: list[torch.Tensor] = list(tensors)
-    half = len(rows) // 2
-    rest = helper.submit(torch.stack, rows[half:], 0, out=out[half:])
+    step = -(-len(rows) // CHUNKS)
+    todo = iter(range(0, len(rows), step))  # shared: next() on it is atomic under the GIL
+
+    def copy() -> None:
+        for start in todo:
+            torch.stack(rows[start:start + step], 0, out=out[start:start + step])
+
+    theirs = helper.submit(copy)
     try:
-        torch.stack(rows[:half], 0, out=out[:half])
+        copy()
     finally:
-        rest.result()  # (its error, if any: the caller's plain torch.stack then decides)
+        if not theirs.cancel():
+            theirs.result()  # (its error, if any: the caller's plain torch.stack then decides)
     return out
 
 

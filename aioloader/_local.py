@@ -11,6 +11,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
+import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -27,6 +30,7 @@ from ._sources import Kind, Unhooked
 from ._stats import NO_ARENA, ArenaStats, WorkerStats
 
 T = TypeVar("T")
+LOWEST = 19  # the copy helper's niceness (Linux)
 Work = Iterator[Any] | Unhooked[Any] | InOrder[Any, Any]  # one pass's iterator
 
 
@@ -63,7 +67,7 @@ class _InProcess:
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         if self._thread is None:
             self._copier = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="aioloader-copy", initializer=ops_on_this_thread)
+                1, thread_name_prefix="aioloader-copy", initializer=_copy_thread)
             self._thread = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="aioloader-local", initializer=_fetch_thread,
                 initargs=(self._copier,))
@@ -154,6 +158,16 @@ def _fetch_thread(copier: concurrent.futures.Executor) -> None:
     halves with ``copier``'s thread (``_collate.copy_helper``)."""
     ops_on_this_thread()
     copy_helper(copier)
+
+
+def _copy_thread() -> None:
+    """The copy helper's set-up: torch on one OpenMP thread and, on Linux (where a thread
+    has a niceness of its own), the lowest priority: it takes the other core only while
+    nothing of the caller's wants it. At nice 0 a 1 ms ticker on the caller's loop woke up
+    to 2.5 ms late (p99) while ``decode`` streamed, against 1.0 ms without the helper."""
+    ops_on_this_thread()
+    if sys.platform == "linux":
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
 
 
 def _close_sync(it: Iterator[Any] | None) -> None:

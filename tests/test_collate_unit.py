@@ -7,6 +7,7 @@ import concurrent.futures
 import contextvars
 import pickle
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -466,14 +467,14 @@ def _permuted_images(n: int, start: int = 0) -> list[dict[str, Any]]:
             for i in range(n)]
 
 
-def test_a_large_stack_copies_half_its_rows_in_the_helper_and_is_the_same_batch() -> None:
+def test_a_large_stack_is_shared_with_the_helper_and_is_the_same_batch() -> None:
     samples = _permuted_images(64)
     assert SPLIT_BYTES <= 64 * 3 * 224 * 224
     with _Counting() as helper:
         batch = _with_helper(helper, lambda: default_collate(samples))
         assert helper.calls == 1
         small = _with_helper(helper, lambda: default_collate(samples[:8]))
-        assert helper.calls == 1  # under SPLIT_BYTES: one copy here
+        assert helper.calls == 1  # under SPLIT_BYTES: all of it here
     assert_same(batch, torch_collate(samples))
     assert_same(small, torch_collate(samples[:8]))
 
@@ -484,3 +485,17 @@ def test_a_stack_that_fails_in_halves_fails_as_torch_stack_does() -> None:
     with _Counting() as helper, pytest.raises(RuntimeError, match=r"stack expects each tensor "
                                                                    r".*\['image'\]"):
         _with_helper(helper, lambda: default_collate(samples))
+
+
+def test_a_helper_that_never_gets_a_core_leaves_the_whole_stack_to_this_thread() -> None:
+    """The helper runs at the lowest priority: a busy machine may not run it at all."""
+    samples = _permuted_images(64)
+    with _Counting() as helper:
+        busy = threading.Event()
+        helper.submit(busy.wait)  # its one thread is taken: our chunks would queue behind
+        try:
+            batch = _with_helper(helper, lambda: default_collate(samples))
+        finally:
+            busy.set()
+        assert helper.calls == 2
+    assert_same(batch, torch_collate(samples))
