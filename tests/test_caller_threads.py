@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import statistics
+import sys
 import threading
 import time
 from typing import Any
@@ -202,3 +204,26 @@ def test_a_load_stage_leaves_other_threads_their_torch_thread_count() -> None:
     assert done.returncode == 0, done.stderr
     before, after, main_thread = map(int, done.stdout.split())
     assert after == before and main_thread == before, done.stdout
+
+
+class _Images:
+    """Samples of 150 KB: a batch of 32 is past the copy helper's 4 MB."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((3, 224, 224), i, dtype=torch.uint8)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy: Linux")
+async def test_the_copy_helper_takes_only_idle_cores_and_the_batches_are_whole() -> None:
+    """``timeout=`` keeps every fetch in the fetch thread, which shares large stacks with
+    the helper; the helper runs under SCHED_IDLE, beside the caller's loop."""
+    async with aioloader.DataLoader(_Images(), batch_size=32, timeout=60,
+                                    quiet=True) as loader:
+        firsts = [batch[:, 0, 0, 0].tolist() async for batch in loader]
+        helpers = [t for t in threading.enumerate() if t.name.startswith("aioloader-copy")]
+        assert helpers, "no copy helper ran"
+        assert {os.sched_getscheduler(t.native_id or 0) for t in helpers} == {os.SCHED_IDLE}
+    assert firsts == [list(range(32)), list(range(32, 64))]
