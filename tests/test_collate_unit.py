@@ -479,7 +479,7 @@ def test_a_large_stack_is_shared_with_the_helper_and_is_the_same_batch() -> None
     assert_same(small, torch_collate(samples[:8]))
 
 
-def test_a_stack_that_fails_in_halves_fails_as_torch_stack_does() -> None:
+def test_a_stack_that_fails_in_a_chunk_fails_as_torch_stack_does() -> None:
     samples = _permuted_images(64)
     samples[40]["image"] = samples[40]["image"][:, :100]
     with _Counting() as helper, pytest.raises(RuntimeError, match=r"stack expects each tensor "
