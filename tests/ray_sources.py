@@ -106,3 +106,10 @@ class Keys(aioloader.Reader):
     async def load(self, key: int) -> dict[str, Any]:
         await asyncio.sleep(0)
         return item(key)
+
+
+def wait_for_a_writer(path: str, worker_id: int) -> None:
+    """A worker_init_fn that holds its worker's start until someone opens the FIFO
+    ``path`` for writing and closes it (a slow start: a big import, a cold cache)."""
+    with open(path) as fifo:
+        fifo.read()

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
+import logging
 import os
 import select
 import signal
@@ -366,6 +369,90 @@ def test_a_source_ray_cannot_send_fails_before_any_actor(cluster: Cluster) -> No
             list(loader)
         finally:
             loader.close()
+    assert_clean([])
+
+
+class _Said(logging.Handler):
+    """The aioloader warnings logged; :meth:`wait_for` one that says something."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.changed = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self.changed:
+            self.messages.append(record.getMessage())
+            self.changed.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+        with self.changed:
+            assert self.changed.wait_for(
+                lambda: any(text in m for m in self.messages), timeout), self.messages
+            return next(m for m in self.messages if text in m)
+
+
+@pytest.fixture
+def said(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Said]:
+    """Warnings of aioloader, with an actor's patience to start cut to a blink."""
+    monkeypatch.setattr("aioloader._ray.PLACEMENT_PATIENCE", 0.05)
+    handler, log = _Said(), logging.getLogger("aioloader")
+    log.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        log.removeHandler(handler)
+
+
+def test_an_actor_that_is_slow_to_start_is_named_with_its_node(cluster: Cluster,
+                                                               tmp_path: Any,
+                                                               said: _Said) -> None:
+    """Placed, but its process still starting: the warning says where, not that Ray has
+    no room (it said so while workers imported torch on a busy machine)."""
+    fifo = str(tmp_path / "start")
+    os.mkfifo(fifo)
+    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, worker_type="ray",
+                                  worker_init_fn=functools.partial(ray_sources.wait_for_a_writer,
+                                                                   fifo), quiet=True)
+    pids: list[int] = []
+    try:
+        it = iter(loader)
+        first = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            got = first.submit(next, it)
+            # (said again, after twice as long each time: once Ray has placed it, this)
+            message = said.wait_for("Ray placed it on node")
+            with open(fifo, "w"):  # lets it start
+                pass
+            batches = [got.result(60), *it]
+        finally:
+            first.shutdown()
+        pids = pids_of(loader)
+        node = loader.stats().workers[0].node
+    finally:
+        loader.close()
+    assert [b["i"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert f"Ray placed it on node {node}" in message, message
+    assert "still starting" in message and f"pid {pids[0]}" in message, message
+    assert_clean(pids)
+
+
+def test_an_actor_no_node_can_take_is_named_with_what_it_asks(cluster: Cluster,
+                                                              said: _Said) -> None:
+    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, worker_type="ray",
+                                  ray_options={"resources": {"nowhere": 1}}, quiet=True)
+
+    async def until_warned() -> str:
+        async with loader:
+            first = asyncio.ensure_future(anext(aiter(loader)))
+            try:
+                return await asyncio.to_thread(said.wait_for, "Ray has no node")
+            finally:
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+
+    message = asyncio.run(until_warned())
+    assert "is not running after" in message and "'nowhere': 1" in message, message
     assert_clean([])
 
 
