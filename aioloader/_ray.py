@@ -211,9 +211,7 @@ class RaySupervisor:
         # Killed before it said where it ran (in worker_init_fn, say): the budget decides,
         # as for any death; processes heal it, and so must we (issue 22 audit). Ray's
         # actor table names its node and pid, as a Hello would have.
-        with contextlib.suppress(Exception):
-            a.where = await asyncio.wait_for(asyncio.to_thread(_where_it_was, a.handle),
-                                             LOOKUP_WAIT)
+        a.where = await _looked_up(a.handle)  # (None before: it never said)
         lost = self._death(a, error)
         if not isinstance(lost, WorkerLost):
             raise lost from error
@@ -222,10 +220,7 @@ class RaySupervisor:
         """Warn that ``a`` has not started after ``waited`` seconds, and why: Ray has no node
         with what it asks for free, or it has placed it and its process is still starting
         (on a busy 2-core machine, actors importing torch took over 30 s)."""
-        where = None
-        with contextlib.suppress(Exception):
-            where = await asyncio.wait_for(asyncio.to_thread(_where_it_was, a.handle),
-                                           LOOKUP_WAIT)
+        where = await _looked_up(a.handle)
         if where is None:
             log.warning("%s is not running after %.0f s: Ray has no node with what it asks "
                         "for free yet (%s); see `ray status`", a.name(), waited,
@@ -493,6 +488,14 @@ async def _first_reply(a: _Actor) -> Reply | BaseException:
         return error
     finally:
         del ref
+
+
+async def _looked_up(handle: Any) -> Hello | None:
+    """:func:`_where_it_was`, off the loop, within ``LOOKUP_WAIT``; None where Ray does not
+    say in time (or fails to)."""
+    with contextlib.suppress(Exception):
+        return await asyncio.wait_for(asyncio.to_thread(_where_it_was, handle), LOOKUP_WAIT)
+    return None
 
 
 def _where_it_was(handle: Any) -> Hello | None:
