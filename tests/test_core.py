@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import os
 import statistics
 import sys
@@ -157,6 +159,35 @@ async def test_event_loop_lag_stays_small_while_waiting_for_slow_workers():
     p99 = statistics.quantiles(lags, n=100)[98]
     assert median < 0.005, f"median lag of a 1 ms ticker: {median * 1000:.2f} ms"
     assert p99 < 0.040, f"p99 lag of a 1 ms ticker: {p99 * 1000:.2f} ms"
+
+
+async def test_other_tasks_run_while_batches_come_without_a_wait():
+    # num_workers=0 on the caller's loop: each batch is ready at once, so only the epoch's
+    # own yields let another task in. It yields by time, not every batch.
+    data = torch.utils.data.TensorDataset(torch.arange(100_000))
+    stop = asyncio.Event()
+    turns: list[float] = []
+
+    async def other_task() -> None:
+        while not stop.is_set():
+            turns.append(time.perf_counter())
+            await asyncio.sleep(0)
+
+    async with aioloader.DataLoader(data, batch_size=4, quiet=True) as loader:
+        gc.collect()  # the first full collection after torch's import took 100-120 ms
+        task = asyncio.create_task(other_task())
+        try:
+            turns.append(time.perf_counter())
+            batches = sum([1 async for _ in loader])
+            turns.append(time.perf_counter())
+        finally:
+            stop.set()
+            await task
+    assert batches == 25_000
+    took = turns[-1] - turns[0]
+    gaps = [b - a for a, b in itertools.pairwise(turns)]
+    # Without the yields the task waited for the whole epoch but its first few batches.
+    assert max(gaps) < min(0.1, took / 4), f"longest wait {max(gaps) * 1000:.0f} ms"
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

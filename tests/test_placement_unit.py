@@ -203,3 +203,11 @@ def test_timed_counts_a_sleep_as_a_wait_and_a_computation_as_none() -> None:
     assert wall >= LIMIT and waits is not None and waits >= 1
     _, (_, cpu, waits) = timed(sum, range(200_000))
     assert waits == 0 and cpu > 0
+
+
+def test_timed_takes_a_call_within_quick_as_busy_and_reads_a_longer_one() -> None:
+    _, (wall, cpu, waits) = timed(sum, range(10), quick=1.0)
+    assert (cpu, waits) == (wall, 0)
+    _, (wall, cpu, waits) = timed(threading.Event().wait, 2 * LIMIT, quick=LIMIT)
+    assert wall >= 2 * LIMIT and cpu < wall / 2
+    assert waits is None or waits >= 1
