@@ -28,10 +28,6 @@ from ._staging import Stager
 
 _LOG = logging.getLogger("aioloader.stats")
 _CLOSING: set[asyncio.Task[None]] = set()  # closes of dropped epochs, until they are done
-# s: the longest run of ready batches handed over without a loop turn. A turn costs 2 us (a
-# `tiny` batch through num_workers=0 takes 100 us): one every 0.2 ms costs at most 1 %, and
-# holds other tasks back at most 0.2 ms past a batch.
-YIELD_EVERY = 0.0002
 
 
 class Epoch:
@@ -49,7 +45,6 @@ class Epoch:
         self._bar: Any = NO_BAR
         self._backstop: weakref.finalize[Any, Any] | None = None
         self._stager: Stager | None = None  # made on the first batch bound for CUDA
-        self._yielded = 0.0  # when this epoch last let the loop run other tasks
 
     def __aiter__(self) -> Epoch:
         return self
@@ -69,10 +64,9 @@ class Epoch:
             step = await run.next(session)
             if step is not None:
                 self._handed(began, step.nbytes)
-                if not self._private and (now := time.monotonic()) - self._yielded >= YIELD_EVERY:
+                if not self._private:
                     # Batches that were already waiting would otherwise come back to back
                     # without the loop running anything else in between.
-                    self._yielded = now
                     await asyncio.sleep(0)
                 return self._to_target(step.value)
         except BaseException as exc:

@@ -76,12 +76,8 @@ async def test_short_fetches_move_to_the_callers_thread_once_proven() -> None:
     assert _fresh_thread_count() == fresh  # torch's process-wide count too
 
 
-async def test_other_tasks_run_between_batches_fetched_on_the_loop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches fetched on the loop still let it turn: with a turn due at every batch, a task
-    made ready after each batch runs before the next is handed over (by default a turn is
-    due every 0.2 ms: tests/test_core.py)."""
-    monkeypatch.setattr(aioloader._epoch, "YIELD_EVERY", 0.0)
+async def test_other_tasks_run_between_batches_fetched_on_the_loop() -> None:
+    """A task made ready after each batch runs before the next batch is handed over."""
     turns = 0
     ready = asyncio.Event()
 

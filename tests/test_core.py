@@ -163,7 +163,7 @@ async def test_event_loop_lag_stays_small_while_waiting_for_slow_workers():
 
 async def test_other_tasks_run_while_batches_come_without_a_wait():
     # num_workers=0 on the caller's loop: each batch is ready at once, so only the epoch's
-    # own yields let another task in. It yields by time, not every batch.
+    # own yields let another task in.
     data = torch.utils.data.TensorDataset(torch.arange(100_000))
     stop = asyncio.Event()
     turns: list[float] = []
