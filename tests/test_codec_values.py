@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from aioloader import FrameTooLargeError
 from aioloader import _wire as wire
-from aioloader._arena import ArenaMap, SlotFull, SlotWriter, create_file
+from aioloader._arena import ArenaMap, SlotFull, SlotWriter, align, create_file
 from aioloader._codec import copied_from, decode, encode, tensors_nbytes
 
 SLOT = 1 << 20
@@ -380,6 +380,14 @@ def test_tensors_nbytes_counts_the_tensors_inside_objects():
         assert full.value.needed == need
     finally:
         small.close()
+
+
+def test_tensors_nbytes_counts_tensors_among_leaves_keys_and_mappings():
+    t, u = torch.zeros(100), torch.zeros(3, dtype=torch.uint8)
+    batch = [1, "a", None, t, (2.0, b"x", [u, True]),
+             {"k": t, 3: u, t: "a tensor key"}, collections.UserDict({"v": u})]
+    assert tensors_nbytes(batch) == 3 * align(t.nbytes) + 3 * align(u.nbytes)
+    assert tensors_nbytes([1] * 64) == tensors_nbytes({"a": "b"}) == 0
 
 
 def test_a_local_class_falls_back_to_pickle_and_says_why_when_that_fails(arena):
