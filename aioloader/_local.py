@@ -192,10 +192,10 @@ class LocalIndex(_InProcess):
     def __init__(self, dataset: Any, plan: Plan, first_pass: int,
                  collate_fn: Callable[[list[Any]], Any] | None, *, timed: bool,
                  skip: int = 0, loads: LoadOptions | None = None,
-                 skips: SkipLog | None = None, ahead: int = 4) -> None:
+                 skips: SkipLog | None = None, ahead: int = 4, plan_ahead: bool) -> None:
         super().__init__(Pipeline(dataset, Kind.MAP, None, None, collate_fn, loads),
                          timed=timed, skips=skips)
-        self._plans = Plans(plan, first_pass, skip=skip)
+        self._plans = Plans(plan, first_pass, ahead=plan_ahead, skip=skip)
         self._ahead = ahead
         self._ended: PassDone | None = None
 
@@ -241,6 +241,14 @@ class LocalIndex(_InProcess):
 
     def behind(self) -> str:
         return "the dataset in this process (num_workers=0)"
+
+    async def aclose(self, grace: float) -> None:
+        self._plans.close()
+        await super().aclose(grace)
+
+    def close(self, grace: float) -> None:
+        self._plans.close()
+        super().close(grace)
 
 
 class LocalStream(_InProcess):

@@ -262,7 +262,7 @@ def test_local_index_with_a_load_stage() -> None:
     fn = Loads(bad=frozenset({"k5"}))
     skipped = SkipLog()
     producer = LocalIndex(KEYS, lambda pass_no: PLAN, 0, list, timed=False,
-                          loads=loads(fn), skips=skipped, ahead=2)
+                          loads=loads(fn), skips=skipped, ahead=2, plan_ahead=True)
 
     async def run() -> list[Any]:
         out = []

@@ -170,11 +170,47 @@ async def test_a_short_plan_moves_onto_the_loop_and_one_that_waits_stays_in_the_
 
     for plan, on_loop in ((short, [False, True, True]), (waits, [False, False, False])):
         where.clear()
-        plans = Plans(plan, 0)
+        plans = Plans(plan, 0, ahead=False)
         for pass_no in range(3):
             assert await plans.next() == [pass_no]
             assert isinstance(await plans.next(), PassDone)
         assert [w == here for w in where] == on_loop, plan.__name__
+
+
+async def test_a_plan_kept_in_the_thread_is_made_while_the_pass_before_is_consumed() -> None:
+    """The loader's own passes (``ahead``): the next pass's plan starts in the thread as soon
+    as this one's is made, so the next epoch does not wait for a hop and a plan. A user's
+    sampler (not ``ahead``) is planned when its epoch starts, after the user's
+    ``set_epoch``. A close drops a plan made early."""
+    from aioloader._producers import Plans
+    from aioloader._session import PassDone
+
+    started = [threading.Event() for _ in range(4)]
+    asked: list[int] = []
+
+    def waits(pass_no: int) -> list[list[int]]:  # it waits: plans stay in the thread
+        asked.append(pass_no)
+        started[pass_no].set()
+        threading.Event().wait(LIMIT / 8)
+        return [[pass_no], [pass_no]]
+
+    plans = Plans(waits, 0, ahead=True)
+    assert await plans.next() == [0]
+    assert await asyncio.to_thread(started[1].wait, 60)  # while pass 0 is consumed
+    assert await plans.next() == [0]
+    assert isinstance(await plans.next(), PassDone)
+    assert await plans.next() == [1]
+    assert await asyncio.to_thread(started[2].wait, 60)
+    plans.close()  # pass 2 is dropped, nobody waits for it
+    assert asked == [0, 1, 2]
+
+    asked.clear()
+    plans = Plans(waits, 0, ahead=False)
+    for pass_no in range(2):
+        assert [await plans.next(), await plans.next()] == [[pass_no]] * 2
+        assert isinstance(await plans.next(), PassDone)
+        assert asked == list(range(pass_no + 1))  # nothing asked before the epoch starts
+    assert asked == [0, 1]
 
 
 def test_time_off_the_core_without_a_wait_is_not_waiting() -> None:
