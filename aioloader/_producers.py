@@ -138,6 +138,9 @@ class Plans:
 
     async def _planned(self) -> Sequence[list[int]]:
         early, self._early = self._early, None
+        if early is not None and early.get_loop() is not asyncio.get_running_loop():
+            early.cancel()  # made on another loop (the other face; another asyncio.run)
+            early = None
         if early is None:
             return await place(self._placement, asyncio.to_thread, self._plan, self._pass)
         try:

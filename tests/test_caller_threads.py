@@ -228,3 +228,24 @@ async def test_the_copy_helper_takes_only_idle_cores_and_the_batches_are_whole()
         assert ids and None not in ids, f"no copy helper running: {ids}"
         assert {os.sched_getscheduler(i) for i in ids if i is not None} == {os.SCHED_IDLE}
     assert firsts == [list(range(32)), list(range(32, 64))]
+
+
+def test_a_pass_planned_early_on_one_loop_is_planned_again_on_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans kept in the thread (a bound of 0: none proves short) plan the next pass while
+    this one is consumed, on this epoch's loop; an epoch on another loop (the other face, a
+    new ``asyncio.run``) plans its own. Each epoch gives all the data."""
+    monkeypatch.setattr(aioloader._producers, "LIMIT", 0.0)
+    data = list(range(10))
+
+    async def consume(loader: aioloader.DataLoader) -> list[int]:
+        return [i for batch in [b async for b in loader] for i in batch.tolist()]
+
+    loader = aioloader.DataLoader(data, batch_size=4, quiet=True)
+    try:
+        for _ in range(2):
+            assert [i for b in loader for i in b.tolist()] == data
+            assert asyncio.run(consume(loader)) == data
+            assert asyncio.run(consume(loader)) == data
+    finally:
+        loader.close()
