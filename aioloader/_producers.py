@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ._errors import ResumeError
 from ._loads import ALL_SKIPPED, SkippedLoad
@@ -27,6 +28,7 @@ from ._stats import ArenaStats, WorkerStats
 from ._supervisor import Arrival, Ended, Received
 from ._worker import WorkerSpec
 
+T = TypeVar("T")
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)
 
 
@@ -141,21 +143,20 @@ class Plans:
         if early is not None and early.get_loop() is not asyncio.get_running_loop():
             early.cancel()  # made on another loop (the other face; another asyncio.run)
             early = None
-        if early is None:
-            return await place(self._placement, asyncio.to_thread, self._plan, self._pass)
-        try:
-            batches, (wall, cpu, waits) = await early
-        except BaseException:
-            self._placement.failed()
-            raise
-        self._placement.saw(wall, cpu, on_loop=False, waits=waits)
-        return batches
+        offload = asyncio.to_thread if early is None else functools.partial(_started, early)
+        return await place(self._placement, offload, self._plan, self._pass)
 
     def close(self) -> None:
         """Drop a plan made early; its thread finishes it, and nobody waits for it."""
         early, self._early = self._early, None
         if early is not None:
             early.cancel()
+
+
+async def _started(call: asyncio.Future[T], *_: Any) -> T:
+    """An offload for :func:`place` whose call was started before, with the same arguments
+    (``timed``, the plan, this pass): its result, judged as any offloaded call's."""
+    return await call
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
