@@ -20,7 +20,7 @@ from ._errors import ResumeError
 from ._loads import ALL_SKIPPED, SkippedLoad
 from ._phases import WorkerLost
 from ._pipeline import INSTANCE_CHUNK
-from ._placement import LIMIT, Placement, Times, place, timed
+from ._placement import LIMIT, Placement, Times, away, place
 from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ._session import Delivered, PassDone, Step
 from ._sources import shard_spec
@@ -134,7 +134,7 @@ class Plans:
         made on the loop when due, as before."""
         if self.ahead and not self._placement.inline:
             early = asyncio.get_running_loop().run_in_executor(
-                None, timed, self._plan, self._pass + 1)
+                None, away(), self._plan, self._pass + 1)
             early.add_done_callback(_retrieved)  # a loader dropped before it is awaited
             self._early = early
 
@@ -155,7 +155,7 @@ class Plans:
 
 async def _started(call: asyncio.Future[T], *_: Any) -> T:
     """An offload for :func:`place` whose call was started before, with the same arguments
-    (``timed``, the plan, this pass): its result, judged as any offloaded call's."""
+    (``away()``, the plan, this pass): its result, judged as any offloaded call's."""
     return await call
 
 

@@ -10,7 +10,17 @@ from typing import Any
 
 import pytest
 
-from aioloader._placement import LIMIT, MAX_PROOF, PROOF, WARM_UP, Placement, place, timed
+from aioloader._placement import (
+    LIMIT,
+    LOOP_RAN,
+    MAX_PROOF,
+    PROOF,
+    WARM_UP,
+    Placement,
+    away,
+    place,
+    timed,
+)
 
 SHORT, LONG = LIMIT / 2, LIMIT * 5  # LONG: too long in the thread too
 
@@ -56,6 +66,23 @@ def test_a_fetch_that_waited_stays_in_the_thread_however_short() -> None:
     assert not placement.inline
     for _ in range(PROOF):  # one that was only taken off its core has not waited
         placement.saw(20e-6, 5e-6, on_loop=False, waits=0)
+    assert placement.inline
+
+
+def test_a_fetch_while_which_the_loop_ran_neither_proves_nor_disproves() -> None:
+    """Its own counters said busy, but the loop ran meanwhile: the fetch may have waited for
+    it unseen. The machine's load preempted the fetch's thread while the loop answered its
+    round trip (no voluntary switch), and on the loop it hung (clean-clone CI of 9d54fbd,
+    test_a_fetch_that_waits_never_runs_on_the_loop[awaits the loop]); or it was busy for
+    most of its time and waited for the loop once."""
+    placement = Placement()
+    for _ in range(PROOF * 4):
+        placement.saw(60e-6, 15e-6, on_loop=False, waits=0, loop=40e-6)
+        placement.saw(SHORT, SHORT * 0.95, on_loop=False, waits=1, loop=40e-6)
+    assert not placement.inline and placement.streak == 0
+    for _ in range(PROOF):
+        placement.saw(SHORT, SHORT, on_loop=False, waits=1, loop=LOOP_RAN / 2)
+        placement.saw(SHORT, SHORT, on_loop=False, waits=0, loop=40e-6)  # not counted
     assert placement.inline
 
 
@@ -235,15 +262,32 @@ def test_time_off_the_core_without_a_wait_is_not_waiting() -> None:
 @pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"),
                     reason="waits are counted on Linux only")
 def test_timed_counts_a_sleep_as_a_wait_and_a_computation_as_none() -> None:
-    _, (wall, _, waits) = timed(threading.Event().wait, LIMIT)
-    assert wall >= LIMIT and waits is not None and waits >= 1
-    _, (_, cpu, waits) = timed(sum, range(200_000))
-    assert waits == 0 and cpu > 0
+    _, times = timed(threading.Event().wait, LIMIT)
+    assert times.wall >= LIMIT and times.waits is not None and times.waits >= 1
+    _, times = timed(sum, range(200_000))
+    assert times.waits == 0 and times.cpu > 0
+
+
+@pytest.mark.skipif(not hasattr(__import__("time"), "pthread_getcpuclockid"),
+                    reason="another thread's CPU clock is read on Unix only")
+async def test_away_sees_the_loop_run_for_a_call_that_waits_for_it() -> None:
+    """:func:`away` watches the loop's thread: a call in another thread that waits for the
+    loop sees it run; a computation while the loop idles does not."""
+    loop = asyncio.get_running_loop()
+
+    def round_trip() -> None:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result()
+
+    _, times = await asyncio.to_thread(away(), round_trip)
+    assert times.loop > LOOP_RAN
+    idle = [(await asyncio.to_thread(away(), sum, range(20_000)))[1].loop for _ in range(20)]
+    assert min(idle) <= LOOP_RAN, idle  # (a loaded machine may be slow to let the loop sleep)
+    assert timed(sum, range(10))[1].loop == 0.0  # not watching
 
 
 def test_timed_takes_a_call_within_quick_as_busy_and_reads_a_longer_one() -> None:
-    _, (wall, cpu, waits) = timed(sum, range(10), quick=1.0)
-    assert (cpu, waits) == (wall, 0)
-    _, (wall, cpu, waits) = timed(threading.Event().wait, 2 * LIMIT, quick=LIMIT)
-    assert wall >= 2 * LIMIT and cpu < wall / 2
-    assert waits is None or waits >= 1
+    _, times = timed(sum, range(10), quick=1.0)
+    assert (times.cpu, times.waits) == (times.wall, 0)
+    _, times = timed(threading.Event().wait, 2 * LIMIT, quick=LIMIT)
+    assert times.wall >= 2 * LIMIT and times.cpu < times.wall / 2
+    assert times.waits is None or times.waits >= 1
