@@ -105,6 +105,7 @@ def test_quick_tiny_json_holds_runs_and_summary(
     assert set(doc) >= {"config", "machine", "workloads", "targets"}
     machine = doc["machine"]
     assert isinstance(machine, dict) and machine["memcpy_gbps"] > 0
+    assert machine["woken_lag_p99_ms"] >= machine["woken_lag_p50_ms"] > 0
     tiny = doc["workloads"]["tiny"]  # type: ignore[index]
     for side in ("aioloader", "torch", "aioloader@0"):
         (run,) = tiny["runs"][side]

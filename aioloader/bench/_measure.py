@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import random
 import resource
 import sys
 import time
@@ -31,6 +32,7 @@ Kind = Literal["throughput", "lag", "first", "refs"]
 Face = Literal["async", "sync"]
 LoopName = Literal["asyncio", "uvloop"]
 TICK = 0.001  # the loop-lag ticker's period, seconds
+WAKES_PER_S = 1000  # the floor's wake-ups: about a fast workload's batches a second
 EPOCHS = 2  # throughput runs span an epoch boundary
 LAG_MAX_EPOCHS = 50  # a lag run streams epochs until ``Spec.min_s`` has passed, at most these
 
@@ -302,9 +304,11 @@ def lag_figures(lags: list[float]) -> Result:
 # ---------------------------------------------------------------------------- references
 
 def references(loop: LoopName) -> Result:
-    """The machine's yardsticks: memcpy bandwidth, a pipe round trip, an idle ticker."""
+    """The machine's yardsticks: memcpy bandwidth, a pipe round trip, an idle ticker, and a
+    ticker whose loop another process wakes (the loop's own floor)."""
     pipe_us = pipe_round_trip_us()
     idle = run_on(loop, _idle_ticks(300))
+    woken = run_on(loop, _woken_ticks(WAKES_PER_S, 2000))
     return {
         "cpu_count": os.cpu_count() or 0,
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,
@@ -315,6 +319,8 @@ def references(loop: LoopName) -> Result:
         "pipe_rtt_us": pipe_us,
         "idle_lag_p50_ms": percentile(idle, 50) * 1e3,
         "idle_lag_p99_ms": percentile(idle, 99) * 1e3,
+        "woken_lag_p50_ms": percentile(woken, 50) * 1e3,
+        "woken_lag_p99_ms": percentile(woken, 99) * 1e3,
     }
 
 
@@ -372,6 +378,39 @@ async def _idle_ticks(count: int) -> list[float]:
     while len(ticks) < count:
         await asyncio.sleep(0.05)
     ticker.cancel()
+    return sorted(lag for _, lag in ticks)
+
+
+async def _woken_ticks(per_s: float, count: int) -> list[float]:
+    """A 1 ms ticker's lateness while another process writes a byte to a pipe that the loop
+    watches, ``per_s`` times a second at random moments, and the loop only reads it: what
+    any source of wake-ups costs a ticker on this loop, with no work of its own. asyncio's
+    selector sleeps whole milliseconds (epoll's timeout is rounded up), so a timer due
+    within the millisecond after a wake-up fires up to 1 ms late."""
+    loop = asyncio.get_running_loop()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the waker: until the pipe breaks
+        try:
+            os.close(read_fd)
+            rng = random.Random(0)
+            while True:
+                time.sleep(rng.expovariate(per_s))
+                os.write(write_fd, b"x")
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    loop.add_reader(read_fd, os.read, read_fd, 4096)
+    ticks: list[tuple[float, float]] = []
+    ticker = asyncio.create_task(_tick(ticks))
+    try:
+        while len(ticks) < count:
+            await asyncio.sleep(0.05)
+    finally:
+        ticker.cancel()
+        loop.remove_reader(read_fd)
+        os.close(read_fd)  # the waker's next write fails: it exits
+        os.waitpid(pid, 0)
     return sorted(lag for _, lag in ticks)
 
 
