@@ -156,7 +156,7 @@ def timed(fn: Callable[..., T], *args: Any, quick: float = 0.0,
     # getrusage's CPU times move in scheduler ticks here (0.0 ms for a 1.5 ms fetch): the
     # thread's clock for those, getrusage for the switches.
     before = _voluntary_switches()
-    loop = 0 if watch is None else time.clock_gettime_ns(watch)
+    loop = 0 if watch is None else _cpu_ns(watch)
     wall, cpu = time.perf_counter(), time.thread_time()
     out = fn(*args)
     wall = time.perf_counter() - wall
@@ -164,7 +164,7 @@ def timed(fn: Callable[..., T], *args: Any, quick: float = 0.0,
         return out, Times(wall, wall, 0)
     cpu = time.thread_time() - cpu
     if watch is not None:
-        loop = time.clock_gettime_ns(watch) - loop
+        loop = _cpu_ns(watch) - loop
     after = _voluntary_switches()
     waits = None if before is None or after is None else after - before
     return out, Times(wall, cpu, waits, loop / 1e9)
@@ -176,6 +176,15 @@ def away() -> Callable[..., tuple[Any, Times]]:
     if _CPU_CLOCK is None:
         return timed
     return functools.partial(timed, watch=_CPU_CLOCK(threading.get_ident()))
+
+
+def _cpu_ns(clock: int) -> int:
+    """A thread's CPU clock; 0 once that thread has ended (EINVAL): a loop whose thread
+    ended while a fetch ran (the caller's ``asyncio.run`` returned) waits for nothing."""
+    try:
+        return time.clock_gettime_ns(clock)
+    except OSError:
+        return 0
 
 
 def _voluntary_switches() -> int | None:

@@ -4,7 +4,9 @@ with made-up times; the loader's behaviour with real datasets is in test_caller_
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -283,6 +285,18 @@ async def test_away_sees_the_loop_run_for_a_call_that_waits_for_it() -> None:
     idle = [(await asyncio.to_thread(away(), sum, range(20_000)))[1].loop for _ in range(20)]
     assert min(idle) <= LOOP_RAN, idle  # (a loaded machine may be slow to let the loop sleep)
     assert timed(sum, range(10))[1].loop == 0.0  # not watching
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's thread clock ids")
+def test_timed_outlives_the_loop_thread_it_watches() -> None:
+    """The caller's ``asyncio.run`` may return while its fetch still runs in the thread:
+    reading the ended thread's clock fails (EINVAL), and the fetch must not. (Linux's id of
+    a thread's CPU clock, ``~tid << 3 | 6``, here for a thread id above the kernel's
+    largest, 2**22: a thread that cannot exist, where a joined one may not have ended yet.)"""
+    assert time.pthread_getcpuclockid(threading.get_ident()) == ~threading.get_native_id() << 3 | 6
+    gone = ~(2**22 + 1) << 3 | 6
+    out, times = timed(sum, range(1000), watch=gone)
+    assert out == sum(range(1000)) and times.loop == 0.0
 
 
 def test_timed_takes_a_call_within_quick_as_busy_and_reads_a_longer_one() -> None:
