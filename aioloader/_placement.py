@@ -17,7 +17,10 @@ voluntary switch: the 2-core machine under load), and a busy fetch may wait for 
 once among much work (a ratio over ``busy``). Judged by its own counters alone, such a
 fetch moved onto the loop and hung it, once in the 1,380 tests of a clean-clone CI. A fetch
 that overlaps the loop's other work (a ticker) is not counted either: it would hold that
-work up there.
+work up there. Any wait for the loop shows on its clock, since the loop must run to answer
+it; what the proof cannot see is a wait that the proving fetches did not make (a dataset
+that waits for the loop only on a cache miss). A ``timeout`` keeps every fetch in the
+thread (``_local``).
 
 The thread's times only bound the loop's: there torch runs on one OpenMP thread, not the
 caller's team, and a batch's first buffers fault their pages in on one core (a 9.6 MB image

@@ -136,6 +136,32 @@ async def test_a_fetch_that_waits_never_runs_on_the_loop(how: str) -> None:
     assert made_on_main == [False] * (PROOF * 3)
 
 
+class WaitsOnAMiss:
+    """Samples that wait for the caller's loop only now and then (the last of each 16, a
+    cache miss): the fetches before prove short and busy."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> bool:
+        if i % 16 == 15:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result()
+        return threading.current_thread() is threading.main_thread()
+
+
+@pytest.mark.deadline(60)
+async def test_a_timeout_keeps_a_fetch_that_waits_now_and_then_off_the_loop() -> None:
+    """What docs/performance.md tells such a dataset's user: without ``timeout=`` its quiet
+    fetches would move onto the loop, and the first miss there would hang it."""
+    data = WaitsOnAMiss(asyncio.get_running_loop())
+    async with aioloader.DataLoader(data, batch_size=4, timeout=60, quiet=True) as loader:
+        made_on_main = [bool(b.any()) async for b in loader]
+    assert made_on_main == [False] * 16
+
+
 def test_the_sync_face_fetches_here_with_the_callers_count() -> None:
     """Inline, as torch's num_workers=0 does: nothing to change there."""
     mine = torch.get_num_threads()
