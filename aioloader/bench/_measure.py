@@ -307,7 +307,7 @@ def references(loop: LoopName) -> Result:
     """The machine's yardsticks: memcpy bandwidth, a pipe round trip, an idle ticker, and a
     ticker whose loop another process wakes (the loop's own floor)."""
     pipe_us = pipe_round_trip_us()
-    idle = run_on(loop, _idle_ticks(300))
+    idle = run_on(loop, _ticks(300))
     woken = run_on(loop, _woken_ticks(WAKES_PER_S, 2000))
     return {
         "cpu_count": os.cpu_count() or 0,
@@ -372,12 +372,15 @@ def pipe_round_trip_us(rounds: int = 2000, repeats: int = 3) -> float:
     return best * 1e6
 
 
-async def _idle_ticks(count: int) -> list[float]:
+async def _ticks(count: int) -> list[float]:
+    """The lateness of ``count`` ticks of a 1 ms ticker on this loop, sorted."""
     ticks: list[tuple[float, float]] = []
     ticker = asyncio.create_task(_tick(ticks))
-    while len(ticks) < count:
-        await asyncio.sleep(0.05)
-    ticker.cancel()
+    try:
+        while len(ticks) < count:
+            await asyncio.sleep(0.05)
+    finally:
+        ticker.cancel()
     return sorted(lag for _, lag in ticks)
 
 
@@ -401,17 +404,12 @@ async def _woken_ticks(per_s: float, count: int) -> list[float]:
             os._exit(0)
     os.close(write_fd)
     loop.add_reader(read_fd, os.read, read_fd, 4096)
-    ticks: list[tuple[float, float]] = []
-    ticker = asyncio.create_task(_tick(ticks))
     try:
-        while len(ticks) < count:
-            await asyncio.sleep(0.05)
+        return await _ticks(count)
     finally:
-        ticker.cancel()
         loop.remove_reader(read_fd)
         os.close(read_fd)  # the waker's next write fails: it exits
         os.waitpid(pid, 0)
-    return sorted(lag for _, lag in ticks)
 
 
 # ------------------------------------------------------------------------------- helpers

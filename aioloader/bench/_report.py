@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._measure import Result
+from ._measure import WAKES_PER_S, Result
 from ._peers import PEERS
 from ._runner import LAG_SIDES, LAGGED, LAGGED_SIDES, PROCESS, ZERO
 from ._workloads import FIRST, LAG
@@ -272,5 +272,5 @@ def machine_lines(machine: Result, header: str) -> str:
         f"p99 {machine['idle_lag_p99_ms']:.3f} ms (nothing streaming)",
         f"woken 1 ms ticker: lag p50 {machine['woken_lag_p50_ms']:.3f} ms, "
         f"p99 {machine['woken_lag_p99_ms']:.3f} ms (another process wakes the loop "
-        f"1000 times a second and it does nothing else: the loop's own floor)",
+        f"{WAKES_PER_S} times a second and it does nothing else: the loop's own floor)",
     ])
