@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.utils.data
 
 from ._info import Patch
 
@@ -528,3 +529,18 @@ def _filled(
     if device.type == "cpu":
         return new_tensor((rows, width), dtype).fill_(pad_value)
     return torch.full((rows, width), pad_value, dtype=dtype, device=device)
+
+
+class Unbatched:
+    """torch's ``batch_size=None``: automatic batching off. Each "batch" is one sample (or
+    what ``dataset[item]`` gave for a sampler's item: a list of indices in bulk loading),
+    passed to ``collate_fn`` alone, by default torch's ``default_convert`` (arrays and
+    numbers to tensors, nothing stacked). The loader plans such an epoch as batches of one;
+    this is the one place that undoes the batch."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any] | None) -> None:
+        self.collate_fn = collate_fn or torch.utils.data.default_convert
+
+    def __call__(self, batch: Sequence[Any]) -> Any:
+        (sample,) = batch
+        return self.collate_fn(sample)

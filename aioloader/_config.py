@@ -17,8 +17,10 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 import torch.utils.data
 
+from ._collate import Unbatched
 from ._device import can_pin
 from ._distributed import Topology, topology
+from ._errors import FixedOptionError
 from ._loads import LoadOptions, Retry, load_options
 from ._options import check_each, check_load_rules, check_rules
 from ._pipeline import BatchOptions
@@ -97,6 +99,8 @@ class Output:
 class Given:
     """Arguments kept only as the user gave them (normalized), for the loader's attributes."""
 
+    batch_size: int | None  # torch's loader.batch_size: None with a batch sampler or unbatched
+    collate_fn: Callable[[list[Any]], Any] | None
     seed: int | None
     load_fn: Callable[[Any], Any] | None
     concurrency: int | None
@@ -192,21 +196,25 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     loads = load_options(reader, kind, load_fn=a["load_fn"], concurrency=a["concurrency"],
                          ordered=a["ordered"], retries=a["retries"], on_error=a["on_error"])
     check_load_rules(kind, loads, a)
-    batch_sampler = a["batch_sampler"]
+    batch_sampler, batch_size, collate_fn = a["batch_sampler"], a["batch_size"], a["collate_fn"]
+    if batch_sampler is not None:
+        batch_size = None  # torch's loader.batch_size: the batch sampler decides
+    elif batch_size is None:
+        # torch's batch_size=None: planned as batches of one, each undone by Unbatched.
+        batch_size, collate_fn = 1, Unbatched(collate_fn)
     if a["sampler"] is not None:
         # torch's auto-batching, and the path a user's batch sampler takes (planned when its
         # epoch starts, never split again across ranks): no second planner.
-        batch_sampler = torch.utils.data.BatchSampler(a["sampler"], a["batch_size"],
-                                                      a["drop_last"])
+        batch_sampler = torch.utils.data.BatchSampler(a["sampler"], batch_size, a["drop_last"])
     batching = Batching(
-        batch_size=a["batch_size"], drop_last=a["drop_last"], shuffle=a["shuffle"],
+        batch_size=batch_size, drop_last=a["drop_last"], shuffle=a["shuffle"],
         batch_sampler=batch_sampler, sampler=a["sampler"],
         batches_per_epoch=a["batches_per_epoch"],
         max_instances_in_memory=a["max_instances_in_memory"], even_batches=a["even_batches"])
     workers = Workers(
         num_workers=a["num_workers"], worker_type=a["worker_type"],
         start_method=a["start_method"], nice=a["worker_nice"], prefetch=a["prefetch"],
-        slots=_slots(a["prefetch"], a["batch_size"], kind, loads), zero_copy=a["zero_copy"],
+        slots=_slots(a["prefetch"], batch_size, kind, loads), zero_copy=a["zero_copy"],
         max_restarts=a["max_worker_restarts"], max_batches=a["max_batches_per_worker"],
         max_rss=a["max_worker_rss"], init_fn=a["worker_init_fn"],
         persistent=a["persistent_workers"], progress=a["timeout"] is not None,
@@ -214,7 +222,8 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     output = Output(device=a["device"], pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
                     quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
     given = Given(
-        seed=a["seed"], load_fn=a["load_fn"],
+        batch_size=None if a["batch_sampler"] is not None else a["batch_size"],
+        collate_fn=a["collate_fn"], seed=a["seed"], load_fn=a["load_fn"],
         concurrency=loads.concurrency if loads is not None else None, ordered=a["ordered"],
         retries=a["retries"], on_error=a["on_error"], prefetch_factor=a["prefetch_factor"],
         generator=a["generator"], in_order=a["in_order"],
@@ -222,7 +231,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         pin_memory_device=a["pin_memory_device"])
     topo = topology(a["even_batches"])
     return LoaderConfig(
-        source=reader, kind=kind, data_path=data_path, collate_fn=a["collate_fn"],
+        source=reader, kind=kind, data_path=data_path, collate_fn=collate_fn,
         batching=batching, workers=workers, loads=loads, output=output, given=given,
         seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
 
@@ -295,7 +304,7 @@ class Option(Generic[T]):
         raise fixed(self._name, value)
 
 
-def fixed(name: str, value: object) -> AttributeError:
-    return AttributeError(
+def fixed(name: str, value: object) -> FixedOptionError:
+    return FixedOptionError(
         f"DataLoader.{name} is fixed when the loader is built (its workers, plans and "
         f"timers were made from it): build a new DataLoader(..., {name}={value!r})")

@@ -156,6 +156,11 @@ class SourcePicklingError(pickle.PicklingError, TypeError):
     """The reader, dataset, sampler or collate cannot be sent to a spawned worker."""
 
 
+class FixedOptionError(AttributeError, ValueError):
+    """An option assigned after the loader was built. An ``AttributeError`` (a read-only
+    attribute) that is also the ``ValueError`` torch's ``DataLoader`` raises for it."""
+
+
 class LoaderBusyError(RuntimeError):
     """The loader is already being iterated: one epoch at a time per loader."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar, Unpack, overload
 
 import torch
 
@@ -13,12 +13,31 @@ from ._device import DeviceLike, as_device
 from ._epoch import Epoch, EpochSetter
 from ._loads import Retry, SkippedLoad
 from ._run import Run
+from ._signature import LoaderOptions, ReaderOptions, bind, torch_form
+from ._sources import SupportsRead
 from ._stats import LoaderStats, stats_to_stderr
 from ._sync import SyncLoader
 
+T_co = TypeVar("T_co", covariant=True)
 
-class DataLoader:
+
+class DataLoader(Generic[T_co]):
     """Batches from a reader or dataset, built in worker processes, consumed with ``async for``.
+
+    Two call forms, chosen by the first argument alone:
+
+    - a dataset (a torch ``Dataset`` or ``IterableDataset``, or any object with
+      ``__getitem__`` and ``__len__``): torch's ``DataLoader(dataset, batch_size=1,
+      shuffle=None, sampler=None, batch_sampler=None, num_workers=0, collate_fn=None,
+      pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
+      multiprocessing_context=None, generator=None, *, prefetch_factor=None,
+      persistent_workers=False, pin_memory_device="", in_order=True, ...)``: its names
+      (``dataset=`` too), positional order, defaults and meanings, ``batch_size=None``
+      (no automatic batching: each sample through ``default_convert``) included;
+    - a reader (an object with ``read(data_path)``): AllenNLP's ``DataLoader(reader,
+      data_path=None, *, ...)``, every other argument by name, ``persistent_workers=True``.
+
+    aioloader's own options (below) are keyword-only in both.
 
     torch's ``DataLoader`` arguments are accepted with torch's meaning (docs/migrating.md):
     ``sampler`` (map-style; batched as ``BatchSampler(sampler, batch_size, drop_last)``),
@@ -79,63 +98,49 @@ class DataLoader:
         [[0, 1, 4, 9], [16, 25]]
     """
 
+    @overload
+    def __init__(self, reader: SupportsRead, data_path: Any = None,
+                 **options: Unpack[ReaderOptions]) -> None: ...
+    @overload
     def __init__(
         self,
-        reader: Any,
-        data_path: Any = None,
-        *,
-        batch_size: int | None = None,
-        drop_last: bool = False,
-        shuffle: bool = False,
-        batch_sampler: Any = None,
-        batches_per_epoch: int | None = None,
-        num_workers: int = 0,
-        max_instances_in_memory: int | None = None,
-        start_method: str = "fork",
-        worker_type: str = "process",
-        ray_options: dict[str, Any] | None = None,
-        worker_nice: int | None = None,
-        cuda_device: DeviceLike | None = None,
-        quiet: bool | None = None,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        seed: int | None = None,
-        timeout: float | None = None,
-        prefetch: int | None = None,
-        even_batches: bool = True,
-        zero_copy: bool = True,
-        max_worker_restarts: int = 0,
-        max_batches_per_worker: int | None = None,
-        max_worker_rss: int | None = None,
-        log_every: float | None = None,
-        load_fn: Callable[[Any], Any] | None = None,
-        concurrency: int | None = None,
-        ordered: bool = True,
-        retries: int | Retry = 0,
-        on_error: str = "raise",
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
         sampler: Any = None,
-        worker_init_fn: Callable[[int], object] | None = None,
-        persistent_workers: bool = True,
-        prefetch_factor: int | None = None,
-        generator: torch.Generator | None = None,
-        in_order: bool = True,
-        multiprocessing_context: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], object] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
         pin_memory_device: str = "",
-    ) -> None:
-        arguments = dict(locals())  # every argument above, by name: the config checks them
-        del arguments["self"]
-        self._config = build_config(**arguments)
+        in_order: bool = True,
+        **options: Unpack[LoaderOptions],
+    ) -> None: ...
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        source, arguments = bind(args, kwargs)
+        self._config = build_config(source, **arguments)
         self._device = self._config.output.device
-        if log_every is not None:
+        if self._config.output.log_every is not None:
             stats_to_stderr()
         self._run = Run(self._config)
         backstop(self, self._run.owned.kill)  # it holds nothing of the loader
 
+    __init__.__signature__ = torch_form()  # type: ignore[attr-defined]  # for help()
+
     # Options, read-only: from the config, as given (numpy ints as ints, aliases resolved).
     reader: Option[Any] = Option("source")
     data_path: Option[Any] = Option("data_path")
-    collate_fn: Option[Callable[[list[Any]], Any] | None] = Option("collate_fn")
-    batch_size: Option[int | None] = Option("batching.batch_size")
+    collate_fn: Option[Callable[[list[Any]], Any] | None] = Option("given.collate_fn")
+    batch_size: Option[int | None] = Option("given.batch_size")
     drop_last: Option[bool] = Option("batching.drop_last")
     shuffle: Option[bool] = Option("batching.shuffle")
     batch_sampler: Option[Any] = Option("batching.batch_sampler")
@@ -235,6 +240,10 @@ class DataLoader:
         """The source, under torch's name (``loader.dataset``): the same as ``reader``."""
         return self._config.source
 
+    @dataset.setter
+    def dataset(self, value: Any) -> None:
+        raise fixed("dataset", value)
+
     @property
     def sampler(self) -> Any:
         """The ``sampler=`` given, as torch's ``loader.sampler`` (its ``set_epoch`` is the
@@ -292,13 +301,13 @@ class DataLoader:
         """Blocking :meth:`aclose`, from any thread; also ends the sync adapter's loops."""
         self._run.close()
 
-    async def __aenter__(self) -> DataLoader:
+    async def __aenter__(self) -> DataLoader[T_co]:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __enter__(self) -> DataLoader:
+    def __enter__(self) -> DataLoader[T_co]:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -39,7 +39,7 @@ def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[st
     (:class:`ArgumentTypeError`), ``ValueError`` for a wrong value; each message names the
     argument, what it got and what it takes. Returns them as the loader keeps them: ints as
     ``int`` (a numpy integer too), torch's ``timeout=0`` and ``shuffle=None`` as ours."""
-    _positional_batch_size(data_path, kind)
+    _dataset_data_path(data_path, kind)
     a = dict(arguments)
     a["batch_size"] = _optional_int("batch_size", a["batch_size"], "a positive int or None",
                                     least=1)
@@ -106,8 +106,8 @@ def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
     ``prefetch`` in ``a``."""
     a["start_method"] = _start_method(a["start_method"], a["multiprocessing_context"])
     a["prefetch"] = _prefetch_of(a["prefetch"], a["prefetch_factor"], a["num_workers"])
-    _batching(data_path, batch_size=a["batch_size"], drop_last=a["drop_last"],
-              shuffle=a["shuffle"], batch_sampler=a["batch_sampler"],
+    _batching(batch_size=a["batch_size"], drop_last=a["drop_last"], shuffle=a["shuffle"],
+              sampler=a["sampler"], batch_sampler=a["batch_sampler"],
               max_instances_in_memory=a["max_instances_in_memory"])
     _torch_samplers(kind, sampler=a["sampler"], shuffle=a["shuffle"],
                     batch_sampler=a["batch_sampler"])
@@ -264,37 +264,32 @@ def _device(cuda_device: Any) -> torch.device | None:
                          f"{exc.__cause__ or exc}") from exc
 
 
-def _positional_batch_size(data_path: Any, kind: Kind) -> None:
-    """torch's second positional argument is ``batch_size``; ours is ``data_path``, which a
-    Dataset never reads: an int there is a batch size gone to the wrong place."""
-    if kind is not Kind.READER and _int_like(data_path):
-        n = operator.index(data_path)
-        raise ArgumentTypeError(
-            f"{_positional('dataset', n)} (a {kind.value} reads no data_path)")
-
-
-def _positional(source: str, n: int) -> str:
-    return (f"DataLoader({source}, {n}): the second positional argument is data_path, not "
-            f"batch_size; pass batch_size={n}")
+def _dataset_data_path(data_path: Any, kind: Kind) -> None:
+    """A dataset reads no ``data_path``: one given is a mistake, never silently dropped."""
+    if kind is not Kind.READER and data_path is not None:
+        raise ValueError(f"data_path={data_path!r} was given for a {kind.value}, which reads "
+                         "no data_path (only a reader's read(data_path) does): leave it out")
 
 
 # ---------------------------------------------------------------- between arguments
 
 
-def _batching(data_path: Any, *, batch_size: int | None, drop_last: bool, shuffle: bool,
+def _batching(*, batch_size: int | None, drop_last: bool, shuffle: bool, sampler: Any,
               batch_sampler: Any, max_instances_in_memory: int | None) -> None:
-    """AllenNLP's MultiProcessDataLoader's rules."""
+    """The rules torch's DataLoader and AllenNLP's MultiProcessDataLoader share."""
     if batch_sampler is not None:
-        for name, value, unset in (("batch_size", batch_size, None), ("drop_last", drop_last,
-                                   False), ("shuffle", shuffle, False)):
-            if value != unset:
-                raise ValueError(f"batch_sampler is mutually exclusive with {name}: the "
-                                 "sampler decides how instances are batched")
-    elif batch_size is None:
-        hint = ""
-        if _int_like(data_path):  # a reader may read an int data_path, but needs batches
-            hint = f" ({_positional('reader', operator.index(data_path))}, if that was meant)"
-        raise ValueError(f"batch_size is required when batch_sampler is not given{hint}")
+        if batch_size != 1 or drop_last or shuffle or sampler is not None:
+            given = [f"{name}={value!r}" for name, value, unset in (
+                ("batch_size", batch_size, 1), ("drop_last", drop_last, False),
+                ("shuffle", shuffle, False), ("sampler", sampler, None)) if value != unset]
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                f"sampler, and drop_last (as in torch): got {', '.join(given)}. The batch "
+                "sampler decides how instances are batched; leave those at their defaults")
+    elif batch_size is None and drop_last:
+        raise ValueError("batch_size=None option disables auto-batching and is mutually "
+                         "exclusive with drop_last (as in torch): there is no last batch to "
+                         "drop; give a batch_size, or drop_last=False")
     if (max_instances_in_memory is not None and batch_size is not None
             and max_instances_in_memory < batch_size):
         raise ValueError(f"max_instances_in_memory ({max_instances_in_memory}) must be at "

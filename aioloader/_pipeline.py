@@ -26,7 +26,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._collate import default_collate
+from ._collate import Unbatched, default_collate
 from ._loads import LoadOptions, LoadStage, Report, SkippedLoad
 from ._position import PASS_START, BlockStart, Frontier, Mark, Shard, ShardPosition
 from ._samplers import Batcher, BatchSampler, Group
@@ -163,7 +163,8 @@ class Pipeline:
     def fetch(self, indices: list[int], touch: Touch | None = None) -> list[Any]:
         """A map-style batch's instances (without a load stage; with one,
         ``LoadStage.fetch``)."""
-        return fetch(self.source, indices, touch)
+        return fetch(self.source, indices, touch,
+                     bulk=not isinstance(self.collate_fn, Unbatched))
 
     def shard(self, start: BlockStart = PASS_START, frontier: Frontier | None = None,
               numbered: tuple[int, ...] | None = None) -> Shard:

@@ -12,6 +12,7 @@ passes in as `target_batches`.
 from __future__ import annotations
 
 import enum
+import operator
 import random
 import threading
 from collections.abc import Sequence
@@ -235,13 +236,25 @@ def _user_batches(sampler: Any, epoch: int) -> list[list[int]]:
         batches: list[list[int]] = []
         for batch in sampler:
             try:
-                batches.append([int(i) for i in batch])
+                batches.append([_index(i) for i in batch])
             except TypeError:
                 raise TypeError(
                     f"batch_sampler {type(sampler).__name__} yielded {batch!r}, not a list of "
                     "indices (a torch Sampler goes inside torch.utils.data.BatchSampler)"
                 ) from None
         return batches
+
+
+def _index(i: Any) -> Any:
+    """A sampler's item as ``dataset[item]`` is called with, in a form the wire carries: an
+    int (a numpy or 0-d tensor one too), a tensor's list; anything else as it is (a key of a
+    dict-like dataset; a list of indices, which ``batch_size=None`` hands over whole)."""
+    if isinstance(i, torch.Tensor):
+        return i.tolist()
+    try:
+        return operator.index(i)
+    except TypeError:
+        return i
 
 
 def _share(spec: PlanSpec, data: Sequence[Any]) -> Sequence[Any]:

@@ -124,12 +124,13 @@ async def as_async(stream: Iterable[Any]) -> AsyncIterator[Any]:
 
 
 def fetch(dataset: Any, indices: Sequence[int],
-          each: Callable[[], None] | None = None) -> list[Any]:
-    """The samples at ``indices``, in bulk when the dataset supports ``__getitems__``.
+          each: Callable[[], None] | None = None, *, bulk: bool = True) -> list[Any]:
+    """The samples at ``indices``, in bulk when the dataset supports ``__getitems__`` (and
+    ``bulk``: torch calls it only when it batches automatically).
 
     ``each()`` runs after every sample fetched one by one (progress, for the timeout).
     """
-    getitems = getattr(dataset, "__getitems__", None)
+    getitems = getattr(dataset, "__getitems__", None) if bulk else None
     if getitems is not None:
         return list(getitems(list(indices)))
     if each is None:

@@ -161,25 +161,21 @@ def test_an_unreadable_source_is_a_type_error() -> None:
 @pytest.mark.parametrize(("source", "second"), [
     (list(range(8)), 4), (Stream(), 4), (list(range(8)), np.int64(4)),
 ], ids=["map-style", "iterable", "numpy"])
-@pytest.mark.parametrize("batch_size", [None, 2])
-def test_a_positional_batch_size_is_called_out(source: Any, second: Any,
-                                               batch_size: int | None) -> None:
-    # torch's DataLoader(dataset, 4): a Dataset reads no data_path, so an int there is always
-    # a batch size in the wrong place.
-    with pytest.raises(TypeError) as caught:
-        aioloader.DataLoader(source, second, batch_size=batch_size, quiet=True)
-    assert str(caught.value).startswith(
-        "DataLoader(dataset, 4): the second positional argument is data_path, not batch_size; "
-        "pass batch_size=4")
+def test_a_datasets_second_positional_argument_is_torchs_batch_size(source: Any,
+                                                                    second: Any) -> None:
+    # torch's DataLoader(dataset, 4): the dataset form is torch's, positional order included.
+    assert aioloader.DataLoader(source, second).batch_size == 4
+    for loader in (tud.DataLoader, aioloader.DataLoader):
+        with pytest.raises(TypeError, match="multiple values for argument 'batch_size'"):
+            loader(source, second, batch_size=2)
 
 
-def test_a_positional_batch_size_of_a_reader_is_named_when_batch_size_is_missing() -> None:
-    with pytest.raises(ValueError, match="batch_size is required") as caught:
-        aioloader.DataLoader(Numbers(), 4, quiet=True)
-    assert "the second positional argument is data_path, not batch_size; pass batch_size=4" \
-        in str(caught.value)
-    # A reader may read an int data_path: with a batch size it is taken as one.
-    assert build(Numbers(), 4).data_path == 4
+def test_a_readers_second_positional_argument_is_its_data_path() -> None:
+    # AllenNLP's form: DataLoader(reader, data_path); batch_size is torch's 1 by default.
+    loader = aioloader.DataLoader(Numbers(), 4)
+    assert (loader.data_path, loader.batch_size) == (4, 1)
+    with pytest.raises(TypeError, match="at most 2 positional arguments for a reader"):
+        aioloader.DataLoader(Numbers(), None, 4)
 
 
 # (argument, numpy value, the attribute that keeps it, other arguments it needs)
@@ -217,13 +213,13 @@ def test_a_numpy_cuda_device_is_taken_as_an_int() -> None:
 
 @pytest.mark.parametrize(("kwargs", "attribute", "kept"), [
     ({"shuffle": None}, "shuffle", False),  # torch's default
-    ({"batch_sampler": tud.BatchSampler(range(8), 3, False), "batch_size": None,
-      "shuffle": None}, "shuffle", False),
+    ({"batch_sampler": tud.BatchSampler(range(8), 3, False), "shuffle": None}, "shuffle",
+     False),
     ({"timeout": 0}, "timeout", None),  # torch's default: no timeout
     ({"timeout": 0.0}, "timeout", None),
     ({"timeout": 5}, "timeout", 5),
     ({"quiet": None}, "quiet", None),
-    ({"batch_sampler": [[0, 1], [2, 3]], "batch_size": None}, "batch_sampler", [[0, 1], [2, 3]]),
+    ({"batch_sampler": [[0, 1], [2, 3]]}, "batch_sampler", [[0, 1], [2, 3]]),
     ({"cuda_device": "meta"}, "_device", torch.device("meta")),
     ({"seed": -3}, "seed", -3),
     ({"multiprocessing_context": "spawn", "start_method": "spawn"}, "start_method", "spawn"),

@@ -104,9 +104,9 @@ def test_distributed_sampler_set_epoch_is_the_users() -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"shuffle": True}, "mutually exclusive with shuffle"),
-    ({"batch_sampler": tud.BatchSampler(range(N), 2, False), "batch_size": None},
-     "mutually exclusive with batch_sampler"),
-    ({"batch_size": None}, "batch_size is required"),
+    ({"batch_sampler": tud.BatchSampler(range(N), 2, False), "batch_size": 1},
+     "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler"),
+    ({"batch_size": None, "drop_last": True}, "mutually exclusive with drop_last"),
 ])
 def test_sampler_rules(kwargs: dict[str, Any], match: str) -> None:
     args: dict[str, Any] = {"batch_size": 2, "sampler": tud.SequentialSampler(range(N))}

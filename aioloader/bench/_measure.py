@@ -203,7 +203,7 @@ async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clo
     return clock
 
 
-def aio_loader(spec: Spec, workload: Workload, dataset: Any) -> aioloader.DataLoader:
+def aio_loader(spec: Spec, workload: Workload, dataset: Any) -> aioloader.DataLoader[Any]:
     collate, _ = workload.collates(spec.collate)
     return aioloader.DataLoader(
         dataset, batch_size=workload.batch_size, num_workers=spec.num_workers,

@@ -150,7 +150,7 @@ def lazy_block(c: int) -> int:
     return -(-c // BATCH_SIZE) * BATCH_SIZE
 
 
-def _aioloader(plan: RemotePlan, urls: list[str], c: int) -> aioloader.DataLoader:
+def _aioloader(plan: RemotePlan, urls: list[str], c: int) -> aioloader.DataLoader[Any]:
     # Lazy: the default (cached) mode keeps every instance of the first epoch in the main
     # process, which for an object store is the whole bucket.
     return aioloader.DataLoader(FsspecReader(urls, decode=to_tensor), batch_size=BATCH_SIZE,
@@ -302,7 +302,7 @@ def _consume(batches: Iterable[Any], clock: Clock, busy: Busy) -> None:
 
 def _consume_aioloader(plan: RemotePlan, urls: list[str], c: int, clock: Clock,
                        busy: Busy) -> Result:
-    def stats(loader: aioloader.DataLoader) -> Result:
+    def stats(loader: aioloader.DataLoader[Any]) -> Result:
         s = loader.stats()
         clock.data_stall = s.data_stall
         return {"arena_bytes": s.arena.bytes}
