@@ -105,8 +105,11 @@ def _rebuild(cls: type[Exception], message: str, state: dict[str, object]) -> Ex
     return err
 
 
-class WorkerDied(WorkerError):
+class WorkerDied(WorkerError, RuntimeError):
     """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory.
+
+    Also a ``RuntimeError``: torch raises one for a dead worker, and code written for torch
+    catches that.
 
     With ``max_worker_restarts`` spent, ``deaths`` lists every death of the loader's workers
     (this one last) and the message names the earlier ones.
@@ -148,8 +151,10 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-class LoaderTimeoutError(TimeoutError):
-    """No batch arrived within the loader's ``timeout``; names the workers that are behind."""
+class LoaderTimeoutError(TimeoutError, RuntimeError):
+    """No batch arrived within the loader's ``timeout``; names the workers that are behind.
+
+    Also a ``RuntimeError``, which torch raises for a timeout and its users catch."""
 
 
 class SourcePicklingError(pickle.PicklingError, TypeError):

@@ -8,6 +8,7 @@ import numbers
 import operator
 import os
 import reprlib
+import warnings
 from typing import Any
 
 import torch
@@ -115,6 +116,7 @@ def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
     _process_only(a["worker_type"], max_worker_restarts=a["max_worker_restarts"],
                   max_batches_per_worker=a["max_batches_per_worker"],
                   max_worker_rss=a["max_worker_rss"])
+    _worker_number(a["num_workers"], a["worker_type"])
     a["worker_nice"] = validate_worker_nice(a["worker_nice"], num_workers=a["num_workers"],
                                             worker_type=a["worker_type"])
 
@@ -151,6 +153,19 @@ def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> in
             "): its work runs in this process, at this process's priority. Leave "
             "worker_nice unset, or use worker processes")
     return checked
+
+
+def _worker_number(num_workers: int, worker_type: str) -> None:
+    """torch's warning for more workers than this process may use cores (its
+    ``check_worker_number_rationality``); Ray's workers run wherever Ray places them."""
+    cores = usable_cores()
+    if worker_type != "ray" and num_workers > cores:
+        warnings.warn(
+            f"This DataLoader will create {num_workers} worker processes in total. Our "
+            f"suggested max number of worker in current system is {cores}, which is smaller "
+            "than what this DataLoader is going to create. Please be aware that excessive "
+            "worker creation might get DataLoader running slow or even freeze, lower the "
+            "worker number to avoid potential slowness/freeze if necessary.", stacklevel=5)
 
 
 def usable_cores() -> int:
