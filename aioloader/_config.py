@@ -8,7 +8,6 @@ What a worker needs is a part of the config (``Workers``), not a copy of its fie
 
 from __future__ import annotations
 
-import random
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -128,7 +127,7 @@ class LoaderConfig:
     loads: LoadOptions | None
     output: Output
     given: Given
-    seed: int  # the base seed: given, drawn from the generator, or drawn here
+    seed: int | None  # the base seed as given (0 across ranks); None: drawn at the first epoch
     topo: Topology
 
     @property
@@ -244,14 +243,18 @@ def _slots(prefetch: int, batch_size: int | None, kind: Kind, loads: LoadOptions
     return max(prefetch, -(-loads.concurrency // (batch_size or 1)) + 1)
 
 
-def _base_seed(seed: int | None, generator: torch.Generator | None, topo: Topology) -> int:
+def _base_seed(seed: int | None, generator: torch.Generator | None, topo: Topology) -> int | None:
     if seed is not None:
         return seed
-    if generator is not None:
-        # torch's base seed: one draw from the user's generator.
-        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    # Ranks must agree on one shuffle; like DistributedSampler, default to seed 0.
-    return 0 if topo.distributed else random.SystemRandom().getrandbits(63)
+    if generator is None and topo.distributed:
+        return 0  # ranks must agree on one shuffle: like DistributedSampler, seed 0
+    return None  # drawn when the first epoch starts: draw_seed
+
+
+def draw_seed(generator: torch.Generator | None) -> int:
+    """torch's base seed: one draw from ``generator``, or from torch's default generator
+    (so ``torch.manual_seed`` decides it), 63 bits."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def _can_pin(device: str) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ._bars import progress_bar
-from ._config import LoaderConfig
+from ._config import LoaderConfig, draw_seed
 from ._distributed import all_reduce
 from ._errors import LoaderBusyError, ResumeError, ResumeWarning
 from ._loads import SkipLog
@@ -141,10 +141,25 @@ class Run:
     def _session(self, session: Session | None) -> None:
         self.owned.session = session
 
-    def _configure(self, seed: int) -> None:
-        """What depends on the seed: the plans and the workers' setup."""
-        self.seed = seed
-        self._setup = Setup(self.config, seed, self.budget, self.skips, self.standby)
+    def _configure(self, seed: int | None) -> None:
+        """What depends on the seed: the plans and the workers' setup. None: the seed is
+        drawn from torch's default generator (or the loader's ``generator``) when first
+        needed, as torch draws its base seed when an iterator starts, so that
+        ``torch.manual_seed(s)`` anywhere before the first epoch reproduces the run."""
+        self._seed = seed
+        self._made: Setup | None = None
+
+    @property
+    def seed(self) -> int:
+        if self._seed is None:
+            self._seed = draw_seed(self.config.given.generator)
+        return self._seed
+
+    @property
+    def _setup(self) -> Setup:
+        if self._made is None:
+            self._made = Setup(self.config, self.seed, self.budget, self.skips, self.standby)
+        return self._made
 
     # ------------------------------------------------------------------ epochs
 
@@ -428,7 +443,7 @@ class Run:
         # Workers that persisted from an earlier epoch are elsewhere; standbys hold nothing
         # of it and stay for the next session.
         self.close_session()
-        if point.seed != self.seed:
+        if point.seed != self._seed:
             self._configure(point.seed)
         self._resume = point
         self.phase = Phase.IDLE  # the state says where the next epoch starts: nothing owed

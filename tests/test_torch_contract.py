@@ -1,0 +1,135 @@
+"""Torch's contract (issue 32): code written for torch.utils.data.DataLoader that changes only
+its import behaves the same. Each test runs torch's loader and ours on the same data."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import aioloader
+
+pytestmark = pytest.mark.deadline(120)
+LOADERS = [tud.DataLoader, aioloader.DataLoader]
+
+
+class Squares(tud.Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, i: int | list[int]) -> dict[str, Any]:
+        if isinstance(i, list):  # bulk loading: a sampler's list of indices at once
+            return {"x": i, "y": torch.tensor([[j * j, -j] for j in i])}
+        return {"x": i, "y": torch.tensor([i * i, -i])}
+
+
+def plain(batch: Any) -> Any:
+    """A batch as plain Python values, to compare loaders by."""
+    if isinstance(batch, torch.Tensor):
+        return ("tensor", batch.dtype, batch.tolist())
+    if isinstance(batch, dict):
+        return {k: plain(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return (type(batch).__name__, [plain(v) for v in batch])
+    return batch
+
+
+def run(loader: Any) -> list[Any]:
+    try:
+        return [plain(b) for b in loader]
+    finally:
+        if isinstance(loader, aioloader.DataLoader):
+            loader.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("args", "kwargs"), [
+    ((), {}),  # batch_size=1 by default
+    ((5,), {}),  # positional batch_size
+    ((5, False, None, None), {"drop_last": True}),  # torch's positional order
+    ((), {"batch_size": None}),  # automatic batching off: default_convert
+    ((), {"batch_size": None, "sampler": tud.BatchSampler(range(23), 4, False)}),  # bulk
+    ((), {"batch_sampler": [[3, 1], [0], [22, 21, 20]]}),
+], ids=["default", "positional", "order", "unbatched", "bulk", "batch_sampler"])
+def test_batches_are_torchs(args: tuple[Any, ...], kwargs: dict[str, Any],
+                            num_workers: int) -> None:
+    theirs, ours = (run(loader(Squares(), *args, num_workers=num_workers, **kwargs))
+                    for loader in LOADERS)
+    assert ours == theirs
+
+
+def test_dataset_by_name_and_torchs_defaults() -> None:
+    loader = aioloader.DataLoader(dataset=Squares())
+    assert (loader.batch_size, loader.shuffle, loader.timeout, loader.num_workers,
+            loader.persistent_workers) == (1, False, None, 0, False)
+    assert len(loader) == len(tud.DataLoader(Squares())) == 23
+    names = list(inspect.signature(aioloader.DataLoader).parameters)
+    torchs = list(inspect.signature(tud.DataLoader).parameters)
+    assert names[:len(torchs)] == torchs  # help() shows torch's form first
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"batch_size": None, "drop_last": True}, ValueError),
+    ({"batch_sampler": [[0]], "batch_size": 2}, ValueError),
+    ({"batch_sampler": [[0]], "shuffle": True}, ValueError),
+    ({"sampler": range(3), "shuffle": True}, ValueError),
+    ({"batch_size": 0}, ValueError),
+    ({"num_workers": -1}, ValueError),
+    ({"no_such_argument": 1}, TypeError),
+])
+def test_refusals_are_torchs_types(kwargs: dict[str, Any], error: type[Exception]) -> None:
+    for loader in LOADERS:
+        with pytest.raises(error):
+            loader(Squares(), **kwargs)
+
+
+def test_setting_an_option_afterwards_is_a_value_error_as_torchs() -> None:
+    for loader in (tud.DataLoader(Squares()), aioloader.DataLoader(Squares())):
+        for name, value in (("batch_size", 3), ("dataset", Squares())):
+            with pytest.raises(ValueError):
+                setattr(loader, name, value)
+
+
+def test_subscripted_in_annotations() -> None:
+    alias = aioloader.DataLoader[torch.Tensor]
+    assert alias.__origin__ is aioloader.DataLoader  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_manual_seed_reproduces_shuffles_and_worker_seeds(num_workers: int) -> None:
+    def seeds(_: list[Any]) -> Any:
+        info = tud.get_worker_info()
+        return torch.tensor(info.seed if info is not None else torch.initial_seed())
+
+    def two_epochs(loader_type: Any, seed: int) -> tuple[list[Any], list[Any]]:
+        torch.manual_seed(seed)
+        order = loader_type(range(40), batch_size=8, shuffle=True, num_workers=num_workers)
+        seen = [run(order), run(order)]
+        torch.manual_seed(seed)
+        drawn = loader_type(range(4), batch_size=1, num_workers=num_workers, collate_fn=seeds)
+        return seen, run(drawn)
+
+    for loader_type in LOADERS:
+        (first, second), worker_seeds = two_epochs(loader_type, 0)
+        assert first != second  # each epoch differs
+        assert two_epochs(loader_type, 0) == ([first, second], worker_seeds)
+        assert two_epochs(loader_type, 1)[0] != [first, second]
+
+
+def test_timeouts_and_dead_workers_are_runtime_errors() -> None:
+    assert issubclass(aioloader.LoaderTimeoutError, RuntimeError)
+    assert issubclass(aioloader.LoaderTimeoutError, TimeoutError)
+    assert issubclass(aioloader.WorkerDied, RuntimeError)
+
+
+def test_too_many_workers_warn_as_torchs() -> None:
+    import os
+
+    many = len(os.sched_getaffinity(0)) + 1
+    for loader in LOADERS:
+        with pytest.warns(UserWarning, match="excessive worker creation"):
+            it = iter(loader(Squares(), num_workers=many))
+            del it
