@@ -99,6 +99,7 @@ class Given:
     """Arguments kept only as the user gave them (normalized), for the loader's attributes."""
 
     batch_size: int | None  # torch's loader.batch_size: None with a batch sampler or unbatched
+    max_instances_in_memory: int | None
     collate_fn: Callable[[list[Any]], Any] | None
     seed: int | None
     load_fn: Callable[[Any], Any] | None
@@ -201,6 +202,11 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     elif batch_size is None:
         # torch's batch_size=None: planned as batches of one, each undone by Unbatched.
         batch_size, collate_fn = 1, Unbatched(collate_fn)
+    chunk = a["max_instances_in_memory"]
+    if kind is Kind.ITERABLE and chunk is None and batch_sampler is None:
+        # torch's IterableDataset: streamed, each worker batching its own instances, the
+        # batches handed over round robin (the lazy mode does exactly that), never cached.
+        chunk = batch_size
     if a["sampler"] is not None:
         # torch's auto-batching, and the path a user's batch sampler takes (planned when its
         # epoch starts, never split again across ranks): no second planner.
@@ -209,7 +215,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         batch_size=batch_size, drop_last=a["drop_last"], shuffle=a["shuffle"],
         batch_sampler=batch_sampler, sampler=a["sampler"],
         batches_per_epoch=a["batches_per_epoch"],
-        max_instances_in_memory=a["max_instances_in_memory"], even_batches=a["even_batches"])
+        max_instances_in_memory=chunk, even_batches=a["even_batches"])
     workers = Workers(
         num_workers=a["num_workers"], worker_type=a["worker_type"],
         start_method=a["start_method"], nice=a["worker_nice"], prefetch=a["prefetch"],
@@ -222,7 +228,8 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
                     quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
     given = Given(
         batch_size=None if a["batch_sampler"] is not None else a["batch_size"],
-        collate_fn=a["collate_fn"], seed=a["seed"], load_fn=a["load_fn"],
+        max_instances_in_memory=a["max_instances_in_memory"], collate_fn=a["collate_fn"],
+        seed=a["seed"], load_fn=a["load_fn"],
         concurrency=loads.concurrency if loads is not None else None, ordered=a["ordered"],
         retries=a["retries"], on_error=a["on_error"], prefetch_factor=a["prefetch_factor"],
         generator=a["generator"], in_order=a["in_order"],
@@ -233,6 +240,15 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         source=reader, kind=kind, data_path=data_path, collate_fn=collate_fn,
         batching=batching, workers=workers, loads=loads, output=output, given=given,
         seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
+
+
+def iterable_length(source: Any, batching: Batching) -> int:
+    """torch's ``len(loader)`` for an IterableDataset: its ``len()`` in batches (a
+    ``TypeError`` where it has none), as if one process read it all."""
+    n = len(source)
+    if batching.batch_size is None:
+        return n
+    return n // batching.batch_size if batching.drop_last else -(-n // batching.batch_size)
 
 
 def _slots(prefetch: int, batch_size: int | None, kind: Kind, loads: LoadOptions | None) -> int:

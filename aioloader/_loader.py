@@ -145,7 +145,7 @@ class DataLoader(Generic[T_co]):
     shuffle: Option[bool] = Option("batching.shuffle")
     batch_sampler: Option[Any] = Option("batching.batch_sampler")
     batches_per_epoch: Option[int | None] = Option("batching.batches_per_epoch")
-    max_instances_in_memory: Option[int | None] = Option("batching.max_instances_in_memory")
+    max_instances_in_memory: Option[int | None] = Option("given.max_instances_in_memory")
     even_batches: Option[bool] = Option("batching.even_batches")
     num_workers: Option[int] = Option("workers.num_workers")
     worker_type: Option[str] = Option("workers.worker_type")

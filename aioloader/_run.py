@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ._bars import progress_bar
-from ._config import LoaderConfig, draw_seed
+from ._config import LoaderConfig, draw_seed, iterable_length
 from ._distributed import all_reduce
 from ._errors import LoaderBusyError, ResumeError, ResumeWarning
 from ._loads import SkipLog
@@ -349,6 +349,8 @@ class Run:
             return c.batching.batches_per_epoch
         if c.kind is Kind.MAP:
             return self._setup.count(c.source)
+        if c.kind is Kind.ITERABLE and c.given.max_instances_in_memory is None:
+            return iterable_length(c.source, c.batching)
         if c.lazy:
             raise TypeError(
                 "a lazy loader (max_instances_in_memory set) does not know its length: pass "

@@ -133,3 +133,39 @@ def test_too_many_workers_warn_as_torchs() -> None:
         with pytest.warns(UserWarning, match="excessive worker creation"):
             it = iter(loader(Squares(), num_workers=many))
             del it
+
+
+class Split(tud.IterableDataset[int]):
+    """Splits itself between workers the way torch's docs show."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        worker, count = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(worker, self.n, count))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("kwargs", [{"batch_size": 3}, {"batch_size": 3, "drop_last": True},
+                                    {"batch_size": None}],
+                         ids=["partial", "drop_last", "unbatched"])
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_an_iterable_dataset_is_batched_in_each_worker_as_torchs(
+        num_workers: int, kwargs: dict[str, Any]) -> None:
+    # Each worker batches its own instances, handed over round robin, each worker's partial
+    # last batch kept (or dropped); len() is torch's (the dataset's length in batches).
+    loaders = [loader(Split(20), num_workers=num_workers, **kwargs) for loader in LOADERS]
+    assert len(loaders[1]) == len(loaders[0])
+    theirs, ours = (run(loader) for loader in loaders)
+    assert ours == theirs
+
+
+def test_an_iterable_dataset_refuses_shuffle_as_torchs() -> None:
+    for loader in LOADERS:
+        with pytest.raises(ValueError, match="expected unspecified shuffle option"):
+            loader(Split(4), shuffle=True)
