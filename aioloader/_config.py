@@ -203,9 +203,10 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         # torch's batch_size=None: planned as batches of one, each undone by Unbatched.
         batch_size, collate_fn = 1, Unbatched(collate_fn)
     chunk = a["max_instances_in_memory"]
-    if kind is Kind.ITERABLE and chunk is None and batch_sampler is None:
+    if kind is Kind.ITERABLE and chunk is None and batch_sampler is None and not a["shuffle"]:
         # torch's IterableDataset: streamed, each worker batching its own instances, the
-        # batches handed over round robin (the lazy mode does exactly that), never cached.
+        # batches handed over round robin (the lazy mode does exactly that). What torch
+        # refuses (shuffle=True, an aioloader.BatchSampler) reads it into memory first.
         chunk = batch_size
     if a["sampler"] is not None:
         # torch's auto-batching, and the path a user's batch sampler takes (planned when its

@@ -112,11 +112,6 @@ def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
               max_instances_in_memory=a["max_instances_in_memory"])
     _torch_samplers(kind, sampler=a["sampler"], shuffle=a["shuffle"],
                     batch_sampler=a["batch_sampler"])
-    if kind is Kind.ITERABLE and a["shuffle"] and a["max_instances_in_memory"] is None:
-        raise ValueError(
-            "DataLoader with IterableDataset: expected unspecified shuffle option, but got "
-            "shuffle=True (as torch): an IterableDataset orders its own instances. Pass "
-            "max_instances_in_memory=N to shuffle within a buffer of N instances")
     _ray_rules(a["worker_type"], a["ray_options"])
     _process_only(a["worker_type"], max_worker_restarts=a["max_worker_restarts"],
                   max_batches_per_worker=a["max_batches_per_worker"],

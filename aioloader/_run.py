@@ -349,7 +349,7 @@ class Run:
             return c.batching.batches_per_epoch
         if c.kind is Kind.MAP:
             return self._setup.count(c.source)
-        if c.kind is Kind.ITERABLE and c.given.max_instances_in_memory is None:
+        if c.kind is Kind.ITERABLE and c.lazy and c.given.max_instances_in_memory is None:
             return iterable_length(c.source, c.batching)
         if c.lazy:
             raise TypeError(
