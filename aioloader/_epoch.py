@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from ._backstop import backstop, drop_backstop
 from ._bars import NO_BAR, shows_bars
 from ._device import move_to, pin
+from ._errors import LoaderBusyError
 from ._loops import running_loop
 from ._run import Run
 from ._session import GRACE, Session
@@ -42,6 +43,8 @@ class Epoch:
         self._private = private  # driven by the sync adapter's own loop
         self._session: Session | None = None
         self._done = False
+        self._superseded = False  # a newer iteration of the loader took over
+        self.waiting = False
         self._bar: Any = NO_BAR
         self._backstop: weakref.finalize[Any, Any] | None = None
         self._stager: Stager | None = None  # made on the first batch bound for CUDA
@@ -50,6 +53,12 @@ class Epoch:
         return self
 
     async def __anext__(self) -> Any:
+        if self._superseded:
+            raise LoaderBusyError(
+                "this iteration was superseded: the loader was iterated again (iter(loader) "
+                "or `async for` started anew, as torch's DataLoader allows), which stopped "
+                "this one. Iterate the newer one, or make a second DataLoader to have two "
+                "epochs at once")
         if self._done:
             raise StopAsyncIteration
         run = self._run
@@ -61,7 +70,11 @@ class Epoch:
                 self._backstop = backstop(self, _close_dropped, weakref.ref(run), session)
                 self._bar = _bar(run)
                 run.meter.epoch_began(began)
-            step = await run.next(session)
+            self.waiting = True
+            try:
+                step = await run.next(session)
+            finally:
+                self.waiting = False
             if step is not None:
                 self._handed(began, step.nbytes)
                 if not self._private:
@@ -102,9 +115,11 @@ class Epoch:
             run.next_log = now + every
             _LOG.info("aioloader: %s", run.stats())
 
-    def abandon(self) -> None:
-        """Left behind by a new epoch after it handed over all its batches."""
+    def abandon(self, superseded: bool = False) -> None:
+        """Left behind by a new epoch: after it handed over all its batches, or before
+        (``superseded``: its consumer is told so if it asks for more)."""
         self._done = True
+        self._superseded = superseded
         self._ended()
 
     async def aclose(self) -> None:

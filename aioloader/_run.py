@@ -54,7 +54,9 @@ class Phase(enum.Enum):
 class EpochHandle(Protocol):
     """What the run asks of an epoch it replaces."""
 
-    def abandon(self) -> None: ...
+    waiting: bool  # a consumer is inside its __anext__, waiting for a batch
+
+    def abandon(self, superseded: bool = False) -> None: ...
 
 
 class Owned:
@@ -168,22 +170,25 @@ class Run:
 
         An earlier epoch that handed over all its batches is over, even if nobody asked it
         for its end (Lightning, zip() and islice() take len(loader) batches and move on);
-        one that did not is still running (LoaderBusyError), or was dropped (its session is
-        started again).
+        one that did not is superseded, as torch's ``iter(loader)`` starts over: its
+        consumer is told so if it asks again (unless it is waiting for a batch right now, in
+        another task or thread: then this one is refused, LoaderBusyError), or was dropped
+        (its session is started again).
         """
         full = self.delivered_all()
         with self._lock:
             current = self._epoch() if self._epoch is not None else None
-            if current is not None and current is not epoch and not full:
+            if current is not None and current is not epoch and not full and current.waiting:
                 raise LoaderBusyError(
-                    "this loader is already being iterated: finish or close that epoch "
-                    "first (`await loader.aclose()`), or make a second DataLoader")
+                    "this loader is being iterated by another task or thread, which is "
+                    "waiting for a batch: finish or close that epoch first (`await "
+                    "loader.aclose()`), or make a second DataLoader")
             dropped = self._epoch is not None  # an earlier epoch was left unfinished
             owed = self.phase is Phase.PASS_OWED or (dropped and full)
             self._epoch = weakref.ref(epoch)
             self.phase = Phase.IN_EPOCH
         if current is not None and current is not epoch:
-            current.abandon()
+            current.abandon(superseded=not full)
         before = self._session
         if dropped and before is not None and not full:
             await self.drop_session(before)  # this epoch starts that one again

@@ -135,10 +135,10 @@ class Token:
     """An epoch, as the run sees one."""
 
     def __init__(self) -> None:
-        self.abandoned = False
+        self.abandoned = self.superseded = self.waiting = False
 
-    def abandon(self) -> None:
-        self.abandoned = True
+    def abandon(self, superseded: bool = False) -> None:
+        self.abandoned, self.superseded = True, superseded
 
 
 def make_run(**options: Any) -> Run:
@@ -189,16 +189,32 @@ async def test_an_epoch_closed_after_its_last_batch_owes_its_pass_end() -> None:
     await again.aclose()
 
 
-async def test_a_second_epoch_while_one_runs_is_refused() -> None:
+async def test_a_second_epoch_while_one_waits_for_a_batch_is_refused() -> None:
     run = make_run()
     token = Token()
     session = await run.begin(token, private=False)
     assert await run.next(session) is not None
+    token.waiting = True  # its consumer, in another task, waits for a batch
     with pytest.raises(aioloader.LoaderBusyError):
         await run.begin(Token(), private=False)
     assert run.is_current(token) and not token.abandoned
     await run.end(token, session, stop=True, grace=0.0)
     assert session.closed and run.phase is Phase.IDLE
+    await run.aclose()
+
+
+async def test_a_second_epoch_supersedes_one_half_consumed() -> None:
+    run = make_run()
+    first, second = Token(), Token()
+    session = await run.begin(first, private=False)
+    assert await run.next(session) is not None
+    again = await run.begin(second, private=False)
+    assert first.abandoned and first.superseded and run.is_current(second)
+    got = []
+    while (step := await run.next(again)) is not None:
+        got.append(step.value.tolist())
+    assert got == [[0, 1], [2, 3], [4, 5]]  # the pass again, from its start
+    await run.end(second, again, stop=False)
     await run.aclose()
 
 

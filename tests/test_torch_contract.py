@@ -173,3 +173,29 @@ def test_an_iterable_dataset_shuffled_is_read_into_memory_first() -> None:
     loader = aioloader.DataLoader(Split(40), batch_size=40, shuffle=True, num_workers=2)
     (batch,) = run(loader)
     assert sorted(batch[2]) == list(range(40)) and batch[2] != list(range(40))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_second_iter_starts_over_and_the_first_says_so(num_workers: int) -> None:
+    for loader_type in LOADERS:
+        loader = loader_type(range(6), batch_size=2, num_workers=num_workers)
+        first = iter(loader)
+        assert next(first).tolist() == [0, 1]
+        second = iter(loader)
+        assert [b.tolist() for b in second] == [[0, 1], [2, 3], [4, 5]]  # a new epoch
+        if loader_type is aioloader.DataLoader:
+            # torch's first iterator goes on with workers of its own; ours was stopped by
+            # the second, and says so (never a hang, never a silent end).
+            with pytest.raises(aioloader.LoaderBusyError, match="superseded"):
+                next(first)
+            loader.close()
+
+
+async def test_a_second_async_for_starts_over() -> None:
+    loader = aioloader.DataLoader(range(6), batch_size=2, num_workers=2)
+    first = aiter(loader)
+    assert (await anext(first)).tolist() == [0, 1]
+    assert [b.tolist() async for b in loader] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(aioloader.LoaderBusyError, match="superseded"):
+        await anext(first)
+    await loader.aclose()
