@@ -184,6 +184,9 @@ def _close_dropped(run_ref: weakref.ref[Run], session: Session) -> None:
         run = run_ref()
         if run is not None and run.in_epoch():
             return  # a newer epoch runs: the session is its business now
+        if run is not None and run.rewinds(session):
+            session.detach()  # persistent workers: the next epoch starts the pass again
+            return
         closing = run.drop_session(session) if run is not None else session.aclose()
         task = loop.create_task(closing)
         _CLOSING.add(task)

@@ -146,6 +146,11 @@ class Plans:
         offload = asyncio.to_thread if early is None else functools.partial(_started, early)
         return await place(self._placement, offload, self._plan, self._pass)
 
+    def restart(self, pass_no: int) -> None:
+        """Plan pass ``pass_no`` from its start when a batch is next asked for."""
+        self.close()
+        self._batches, self._pass, self._skip = None, pass_no, 0
+
     def close(self) -> None:
         """Drop a plan made early; its thread finishes it, and nobody waits for it."""
         early, self._early = self._early, None
@@ -300,6 +305,13 @@ class WorkerIndex(_OnWorkers):
         if isinstance(head, PassDone):
             self._queue.popleft()
             return head
+        got = await self._take(head)
+        if got.mark == ALL_SKIPPED:  # every key of it failed and was skipped (reported)
+            return await self.next()
+        return _delivered(got)
+
+    async def _take(self, head: _InFlight) -> Received:
+        """The batch ``head`` asks for, the queue's first, taken off the queue."""
         while True:
             try:
                 got = await self.sup.receive(head.worker)
@@ -313,9 +325,19 @@ class WorkerIndex(_OnWorkers):
         if not isinstance(got, Received) or got.seq != head.seq:
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
                                  f"got {got!r}")
-        if got.mark == ALL_SKIPPED:  # every key of it failed and was skipped (reported)
-            return await self.next()
-        return _delivered(got)
+        return got
+
+    async def rewind(self, pass_no: int) -> None:
+        """Pass ``pass_no`` from its start, on these workers: the batches in flight are
+        taken and dropped (their slots return to their workers), as torch's persistent
+        workers drop what they prefetched for an iterator left early."""
+        while self._queue:
+            head = self._queue[0]
+            if isinstance(head, PassDone):
+                self._queue.popleft()
+            else:
+                await self._take(head)
+        self._plans.restart(pass_no)
 
     def behind(self) -> str:
         head = self._queue[0] if self._queue else None

@@ -5,8 +5,10 @@ the pass counters, the consumer's cursor, the resume point and a reader's cache,
 where the loader stands::
 
     IDLE ──(an epoch begins)──> IN_EPOCH ──(its end)──────────────> IDLE
-      ^                            └──(all its batches taken, its pass end not)──> PASS_OWED
-      └──(an epoch begins from PASS_OWED or CLOSED; the next one takes the pass end)
+      ^                            ├──(all its batches taken, its pass end not)──> PASS_OWED
+      |                            └──(closed early, persistent workers kept)───> REWIND_OWED
+      └──(an epoch begins from PASS_OWED or CLOSED; the next one takes the pass end;
+          from REWIND_OWED, the kept workers start the pass again)
     any ──(close() from any task or thread, the GC)──> CLOSING ──> CLOSED
 
 An epoch iterator (``_epoch.Epoch``) drives it through :meth:`begin`, :meth:`next` and
@@ -47,6 +49,7 @@ class Phase(enum.Enum):
     IDLE = "idle"  # between epochs (a session may be kept for the next)
     IN_EPOCH = "in an epoch"
     PASS_OWED = "a pass end owed"  # an epoch took all its batches, not its pass end
+    REWIND_OWED = "a rewind owed"  # an epoch left early kept its workers: start it again
     CLOSING = "closing"
     CLOSED = "closed"  # nothing kept; the loader may be iterated again
 
@@ -185,12 +188,14 @@ class Run:
                     "loader.aclose()`), or make a second DataLoader")
             dropped = self._epoch is not None  # an earlier epoch was left unfinished
             owed = self.phase is Phase.PASS_OWED or (dropped and full)
+            left = self.phase is Phase.REWIND_OWED  # closed early, its workers kept
             self._epoch = weakref.ref(epoch)
             self.phase = Phase.IN_EPOCH
         if current is not None and current is not epoch:
             current.abandon(superseded=not full)
         before = self._session
-        if dropped and before is not None and not full:
+        rewind = before is not None and (left or (dropped and not full and self.rewinds(before)))
+        if dropped and before is not None and not full and not rewind:
             await self.drop_session(before)  # this epoch starts that one again
         live = before is not None and not before.closed and self._session is before
         streaming_on = self.config.batching.batches_per_epoch is not None
@@ -198,10 +203,21 @@ class Run:
             self._pass_done()  # its pass end went with its session
         session = await self._started_session()
         session.attach(private=private)
+        if rewind and session is before:  # persistent workers start the pass again
+            await session.rewind(self._next_pass, self.config.output.timeout)
+            self._cursor.in_pass = 0
         if owed and not streaming_on and session is before:
             session = await self._finish_pass(session, private)
         self._produced = self._cursor.begin_epoch()
         return session
+
+    def rewinds(self, session: Session) -> bool:
+        """Whether an epoch left early keeps ``session``'s workers for the next one
+        (``persistent_workers=True``, as torch's): a pass of the loader's own, started
+        again from its beginning, with nothing resumed."""
+        c = self.config
+        return (c.workers.persistent and c.batching.batches_per_epoch is None
+                and self._resume is None and session.rewinds())
 
     async def _finish_pass(self, session: Session, private: bool) -> Session:
         """Take the pass end that an earlier, fully consumed epoch left unasked for."""
@@ -260,12 +276,14 @@ class Run:
 
     async def leave(self, epoch: EpochHandle, session: Session | None) -> None:
         """``epoch`` is closed by its consumer: simply over if it handed over all its
-        batches (its workers stay; the next epoch takes its pass end), else stopped."""
-        if session is not None and not session.closed and self.delivered_all():
+        batches (its workers stay; the next epoch takes its pass end); else its workers
+        stay where they would start the pass again (:meth:`rewinds`), or are stopped."""
+        full = self.delivered_all()
+        if session is not None and not session.closed and (full or self.rewinds(session)):
             await self.end(epoch, session, stop=False)
             with self._lock:
                 if self.phase is Phase.IDLE:
-                    self.phase = Phase.PASS_OWED
+                    self.phase = Phase.PASS_OWED if full else Phase.REWIND_OWED
             return
         await self.end(epoch, session, stop=session is not None)
 

@@ -18,15 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ._errors import LoaderClosedError, LoaderTimeoutError
 from ._loops import running_loop
 from ._stats import ArenaStats, WorkerStats
+
+T = TypeVar("T")
 
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
@@ -64,6 +68,14 @@ class Producer(Protocol):
     def detach(self) -> None: ...
     async def aclose(self, grace: float) -> None: ...
     def close(self, grace: float) -> None: ...
+
+
+@runtime_checkable
+class Rewinds(Protocol):
+    """A producer that can start a pass again without new workers: what was in flight is
+    taken and dropped, so every worker's slots come back."""
+
+    async def rewind(self, pass_no: int) -> None: ...
 
 
 class State(enum.Enum):
@@ -119,6 +131,20 @@ class Session:
         ``timeout`` measures silence: it trips only when nothing at all was heard from
         the producer (a batch, an instance, a worker's progress) for that long.
         """
+        return await self._step(self.producer.next, timeout)
+
+    def rewinds(self) -> bool:
+        """Whether the producer can start a pass again on the workers it has."""
+        return isinstance(self.producer, Rewinds) and not self.closed
+
+    async def rewind(self, pass_no: int, timeout: float | None = None) -> None:
+        """Start pass ``pass_no`` from its beginning on the same workers (persistent
+        workers after an epoch left early); waits, as :meth:`next` does, for what was in
+        flight."""
+        assert isinstance(self.producer, Rewinds)
+        await self._step(functools.partial(self.producer.rewind, pass_no), timeout)
+
+    async def _step(self, call: Callable[[], Awaitable[T]], timeout: float | None) -> T:
         task = asyncio.current_task()
         assert task is not None and self.loop is not None
         with self._lock:
@@ -129,7 +155,7 @@ class Session:
         if timeout is not None:
             self._arm(timeout, time.monotonic())
         try:
-            return await self.producer.next()
+            return await call()
         except asyncio.CancelledError:
             reason, self._reason = self._reason, None
             if reason is None or task.uncancel() > 0:

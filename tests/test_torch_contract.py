@@ -199,3 +199,75 @@ async def test_a_second_async_for_starts_over() -> None:
     with pytest.raises(aioloader.LoaderBusyError, match="superseded"):
         await anext(first)
     await loader.aclose()
+
+
+class Counted(tud.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+def _inits(path: str) -> list[str]:
+    """The worker ids whose worker_init_fn ran, sorted."""
+    with open(path) as f:
+        return sorted(f.read().split())
+
+
+def _count_init(path: str) -> Any:
+    def init(worker_id: int) -> None:
+        with open(path, "a") as f:
+            f.write(f"{worker_id}\n")
+    return init
+
+
+@pytest.mark.parametrize("leave", ["break", "raise", "zip"])
+def test_persistent_workers_survive_an_epoch_left_early(tmp_path: Any, leave: str) -> None:
+    def broken_epochs(loader: Any) -> list[Any]:
+        for _ in range(3):
+            if leave == "zip":
+                list(zip(range(2), loader, strict=False))
+                continue
+            try:
+                for i, _batch in enumerate(loader):
+                    if i == 1:
+                        if leave == "raise":
+                            raise KeyError("the training step failed")
+                        break
+            except KeyError:
+                pass
+        return run(loader)  # a whole epoch after them
+
+    outcomes = []
+    for n, loader_type in enumerate(LOADERS):
+        path = str(tmp_path / f"inits{n}")
+        loader = loader_type(Counted(), batch_size=4, num_workers=2, persistent_workers=True,
+                             worker_init_fn=_count_init(path))
+        outcomes.append((broken_epochs(loader), _inits(path)))
+    assert outcomes[1] == outcomes[0]
+    assert outcomes[1][1] == ["0", "1"]  # worker_init_fn once per worker
+
+
+async def test_persistent_workers_survive_an_async_for_left_early(tmp_path: Any) -> None:
+    path = str(tmp_path / "inits")
+    loader = aioloader.DataLoader(Counted(), batch_size=4, num_workers=2,
+                                  persistent_workers=True, worker_init_fn=_count_init(path))
+    for _ in range(3):
+        async for _batch in loader:
+            break
+    got = [b.tolist() async for b in loader]
+    assert got == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    assert _inits(path) == ["0", "1"]
+    await loader.aclose()
+
+
+def test_without_persistent_workers_an_epoch_left_early_stops_them(tmp_path: Any) -> None:
+    path = str(tmp_path / "inits")
+    loader = aioloader.DataLoader(Counted(), batch_size=4, num_workers=2,
+                                  worker_init_fn=_count_init(path))
+    for _ in range(2):
+        for _batch in loader:
+            break
+    assert len(run(loader)) == 10
+    assert len(_inits(path)) == 6  # as torch's: workers per iterator
