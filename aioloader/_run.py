@@ -109,6 +109,7 @@ class Run:
         self._lock = threading.Lock()
         self._epoch: weakref.ref[EpochHandle] | None = None  # the epoch in progress
         self._produced = 0  # batches the epoch in progress handed over
+        self._told: int | None = None  # an IterableDataset's len(loader), once asked
         self._next_pass = 0  # the pass the session's stream is at
         self._session_pass = 0  # the pass the current session started with
         self._cursor = Cursor()  # where the consumer stands (state_dict)
@@ -250,8 +251,21 @@ class Run:
                 continue
             self._produced += 1
             self._cursor.delivered()
+            if self._told is not None and self._produced > self._told:
+                self._past_length()
             return step
         return None
+
+    def _past_length(self) -> None:
+        """torch's warning: an IterableDataset gave more batches than ``len(loader)`` said."""
+        warn = (f"Length of IterableDataset {self.config.source} was reported to be "
+                f"{self._told} (when accessing len(dataloader)), but {self._produced} samples "
+                "have been fetched. ")
+        if self.config.workers.num_workers > 0:
+            warn += ("For multiprocessing data-loading, this could be caused by not properly "
+                     "configuring the IterableDataset replica at each worker: each worker must "
+                     "read its own part (torch.utils.data.get_worker_info()).")
+        warnings.warn(warn, stacklevel=5)
 
     async def end(self, epoch: EpochHandle, session: Session | None, *, stop: bool,
                   grace: float = GRACE) -> None:
@@ -373,7 +387,8 @@ class Run:
         if c.kind is Kind.MAP:
             return self._setup.count(c.source)
         if c.kind is Kind.ITERABLE and c.lazy and c.given.max_instances_in_memory is None:
-            return iterable_length(c.source, c.batching)
+            self._told = iterable_length(c.source, c.batching)
+            return self._told
         if c.lazy:
             raise TypeError(
                 "a lazy loader (max_instances_in_memory set) does not know its length: pass "

@@ -271,3 +271,23 @@ def test_without_persistent_workers_an_epoch_left_early_stops_them(tmp_path: Any
             break
     assert len(run(loader)) == 10
     assert len(_inits(path)) == 6  # as torch's: workers per iterator
+
+
+class Unsplit(Split):
+    """Reads itself whole in every worker: more batches than its len() says."""
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterable_dataset_past_its_length_warns_as_torchs(num_workers: int) -> None:
+    for loader_type in LOADERS:
+        loader = loader_type(Unsplit(4), batch_size=2, num_workers=num_workers)
+        assert len(loader) == 2
+        if num_workers:
+            with pytest.warns(UserWarning, match="Length of IterableDataset .* was reported "
+                                                 "to be 2.*but 3 samples"):
+                assert len(run(loader)) == 4
+        else:
+            assert len(run(loader)) == 2
