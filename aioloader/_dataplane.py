@@ -101,6 +101,7 @@ class Shelf:
     def __init__(self) -> None:
         self.items: dict[int, Any] = {}  # dict operations are atomic: two threads use it
         self.error: BaseException | None = None
+        self.errors: dict[int, BaseException] = {}  # by batch: wire.BatchFailed's
 
 
 class RefPool(SlotPool):

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ._backstop import backstop, drop_backstop
 from ._bars import NO_BAR, shows_bars
 from ._device import move_to, pin
-from ._errors import LoaderBusyError
+from ._errors import BatchFailure, LoaderBusyError
 from ._loops import running_loop
 from ._run import Run
 from ._session import GRACE, Session
@@ -75,7 +75,7 @@ class Epoch:
                 step = await run.next(session)
             finally:
                 self.waiting = False
-            if step is not None:
+            if step is not None and not isinstance(step, BatchFailure):
                 self._handed(began, step.nbytes)
                 if not self._private:
                     # Batches that were already waiting would otherwise come back to back
@@ -86,6 +86,8 @@ class Epoch:
             # After an error nobody waits for the workers' last words: no grace.
             await self._finish(stop=True, grace=0.0 if isinstance(exc, Exception) else GRACE)
             raise
+        if step is not None:  # that batch's error: the epoch goes on, as torch's does
+            raise step.error
         await self._finish(stop=False)
         raise StopAsyncIteration
 

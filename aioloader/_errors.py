@@ -161,6 +161,17 @@ class SourcePicklingError(pickle.PicklingError, TypeError):
     """The reader, dataset, sampler or collate cannot be sent to a spawned worker."""
 
 
+class BatchFailure(Exception):
+    """Internal: making one batch raised in its worker, which went on. The run counts the
+    batch as handed over and the epoch raises ``error`` in its turn, then goes on with the
+    next batch, as torch's iterator does (issue 32). Never reaches the user itself."""
+
+    def __init__(self, seq: int, error: BaseException) -> None:
+        super().__init__(seq, error)
+        self.seq = seq
+        self.error = error
+
+
 class FixedOptionError(AttributeError, ValueError):
     """An option assigned after the loader was built. An ``AttributeError`` (a read-only
     attribute) that is also the ``ValueError`` torch's ``DataLoader`` raises for it."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
 from . import _wire as wire
-from ._errors import LoaderClosedError, WorkerDied, WorkerError
+from ._errors import BatchFailure, LoaderClosedError, WorkerDied, WorkerError
 
 
 class WorkerLost(Exception):
@@ -82,7 +82,7 @@ ALIVE = frozenset({Phase.STARTING, Phase.RUNNING, Phase.RETIRING, Phase.HANDED_O
                    Phase.FAILED})
 
 # What a worker sent, in its order; its exception takes the place of the batch it failed on.
-Inbound: TypeAlias = wire.Batch | wire.PassEnd | wire.Retiring | WorkerError
+Inbound: TypeAlias = wire.Batch | wire.PassEnd | wire.Retiring | WorkerError | BatchFailure
 
 L = TypeVar("L")
 
@@ -201,7 +201,7 @@ class Roster(Generic[L]):
                 w.phase = Phase.FAILED
             w.inbox.append(msg)
             return None
-        if not isinstance(msg, wire.Retiring):
+        if not isinstance(msg, wire.Retiring):  # a batch failed: in its turn too
             w.inbox.append(msg)
             return None
         # Due for recycling: its successor starts now, ahead of the hand-over, so that the
@@ -269,6 +269,9 @@ class Roster(Generic[L]):
             msg = w.inbox.popleft()
             if isinstance(msg, WorkerError):
                 self.fail(msg)
+                return Raise(msg)
+            if isinstance(msg, BatchFailure):  # that batch's error; the session goes on
+                w.sent.pop(msg.seq, None)
                 return Raise(msg)
             if isinstance(msg, wire.Retiring):  # a stream's batches before it are taken
                 if w.phase is Phase.RETIRING:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from ._errors import ResumeError
+from ._errors import BatchFailure, ResumeError
 from ._loads import ALL_SKIPPED, SkippedLoad
 from ._phases import WorkerLost
 from ._pipeline import INSTANCE_CHUNK
@@ -321,6 +322,9 @@ class WorkerIndex(_OnWorkers):
                 for item in self._queue:
                     if isinstance(item, _InFlight) and item.worker == head.worker:
                         self.sup.request(item.worker, item.seq, item.indices)
+            except BatchFailure:  # this batch's error, in its turn: the next one follows
+                self._queue.popleft()
+                raise
         self._queue.popleft()
         if not isinstance(got, Received) or got.seq != head.seq:
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
@@ -335,7 +339,8 @@ class WorkerIndex(_OnWorkers):
             head = self._queue[0]
             if isinstance(head, PassDone):
                 self._queue.popleft()
-            else:
+                continue
+            with contextlib.suppress(BatchFailure):  # dropped, as its batch would be
                 await self._take(head)
         self._plans.restart(pass_no)
 

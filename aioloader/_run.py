@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from ._bars import progress_bar
 from ._config import LoaderConfig, draw_seed, iterable_length
 from ._distributed import all_reduce
-from ._errors import LoaderBusyError, ResumeError, ResumeWarning
+from ._errors import BatchFailure, LoaderBusyError, ResumeError, ResumeWarning
 from ._loads import SkipLog
 from ._loops import running_loop
 from ._phases import RestartBudget
@@ -234,11 +234,18 @@ class Run:
         session.attach(private=private)
         return session
 
-    async def next(self, session: Session) -> Delivered | None:
-        """The epoch's next batch, counted as handed over; None at the epoch's end."""
+    async def next(self, session: Session) -> Delivered | BatchFailure | None:
+        """The epoch's next batch, counted as handed over; None at the epoch's end. A batch
+        whose making raised is counted too, and comes as its :class:`BatchFailure`: the
+        epoch raises its error and goes on, as torch's iterator does."""
         limit, timeout, agree = self._per_batch
         while limit is None or self._produced < limit:
-            step = await session.next(timeout)
+            try:
+                step = await session.next(timeout)
+            except BatchFailure as failed:
+                self._produced += 1
+                self._cursor.delivered()
+                return failed
             if agree and not await self._all_have(step):
                 while not isinstance(step, PassDone):  # the others are done: skip ours
                     step = await session.next(timeout)

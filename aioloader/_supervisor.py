@@ -28,16 +28,17 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, overload
 
 from . import _wire as wire
 from ._dataplane import Ledger, RefLedger, Shelf, SlotLedger
-from ._errors import WorkerDied, WorkerError, describe_exit, worker_error_for
+from ._errors import BatchFailure, WorkerDied, WorkerError, describe_exit, worker_error_for
 from ._loads import SkipLog, SkippedLoad
 from ._phases import (
     ALIVE,
     Deliver,
     EndPass,
+    Inbound,
     Phase,
     Raise,
     RestartBudget,
@@ -371,11 +372,13 @@ class Supervisor:
                 os.close(fd)
         elif isinstance(msg, wire.Skipped):
             self.skips.add(SkippedLoad(msg.key, w.id, msg.attempts, msg.error))
-        elif isinstance(msg, (wire.Batch, wire.PassEnd, wire.Retiring, wire.Failed)):
+        elif isinstance(msg, (wire.Batch, wire.PassEnd, wire.Retiring, wire.Failed,
+                              wire.BatchFailed)):
             if isinstance(msg, (wire.Batch, wire.PassEnd)):
                 w.link.ledger.published(msg.slot)
-            action = self.roster.on_message(
-                w, _worker_error(w, msg) if isinstance(msg, wire.Failed) else msg)
+            inbound: Inbound = msg if not isinstance(msg, (wire.Failed, wire.BatchFailed)) \
+                else _worker_error(w, msg)
+            action = self.roster.on_message(w, inbound)
             if action is not None:
                 self._start_successor(action)
         # wire.Progress: hearing it (last_heard) is all it is for
@@ -562,15 +565,21 @@ class Supervisor:
             w.link.ledger.close()
 
 
-def _worker_error(w: Worker, msg: wire.Failed) -> WorkerError:
+@overload
+def _worker_error(w: Worker, msg: wire.Failed) -> WorkerError: ...
+@overload
+def _worker_error(w: Worker, msg: wire.BatchFailed) -> BatchFailure: ...
+def _worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
     """The worker's exception as the consumer sees it: a WorkerError that is also of the
     original's type where possible (``except KeyError:`` still works, as with torch), the
     worker's traceback in its message, the original as its ``__cause__`` (a thread
-    worker's by reference, so even one that does not pickle)."""
+    worker's by reference, so even one that does not pickle). One batch's error comes as
+    that batch's :class:`BatchFailure`."""
     original: BaseException | None = None
     ledger = w.link.ledger
     if isinstance(ledger, RefLedger):
-        original = ledger.shelf.error
+        original = (ledger.shelf.error if isinstance(msg, wire.Failed)
+                    else ledger.shelf.errors.pop(msg.seq, None))
     elif msg.pickled is not None:
         with contextlib.suppress(Exception):
             original = pickle.loads(msg.pickled)
@@ -582,4 +591,4 @@ def _worker_error(w: Worker, msg: wire.Failed) -> WorkerError:
         worker_id=w.id, pid=pid)
     if isinstance(original, BaseException):
         err.__cause__ = original
-    return err
+    return BatchFailure(msg.seq, err) if isinstance(msg, wire.BatchFailed) else err

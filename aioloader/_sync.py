@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ._backstop import backstop
 from ._loops import running_loop
 from ._portal import Portal
 from ._staging import consumer_stream, handing_to
@@ -37,18 +38,42 @@ class SyncLoader:
         return self._length()
 
     def __iter__(self) -> Iterator[Any]:
-        portal = self._portal
-        epoch = self._epoch()
+        return SyncEpoch(self._portal, self._epoch(), self.device)
+
+
+class SyncEpoch(Iterator[Any]):
+    """One epoch through the portal. An iterator object, not a generator: an error from one
+    batch leaves it usable, and the next ``next()`` gives the next batch, as torch's
+    iterator does (issue 32). Dropped half-way, its epoch is closed (the backstop), as a
+    generator's ``finally`` would."""
+
+    def __init__(self, portal: Portal, epoch: AsyncIterator[Any],
+                 device: torch.device | None) -> None:
+        self._portal = portal
+        self._epoch: AsyncIterator[Any] | None = epoch
+        self.device = device
+        self._backstop = backstop(self, _closed, portal, epoch)
+
+    def __next__(self) -> Any:
+        epoch = self._epoch
+        if epoch is None:
+            raise StopIteration
         try:
-            while True:
-                try:
-                    batch = portal.call(_anext(epoch, consumer_stream(self.device)))
-                except StopAsyncIteration:
-                    return
-                yield batch
-        finally:
-            if running_loop() is not portal.loop:  # not from inside a step (a GC there)
-                portal.call(_aclose(epoch))
+            return self._portal.call(_anext(epoch, consumer_stream(self.device)))
+        except StopAsyncIteration:
+            self.close()
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Stop the epoch (its workers, unless they are kept), as a generator's close."""
+        if self._epoch is not None:
+            self._epoch = None
+            self._backstop()  # once: a finalizer called is dead
+
+
+def _closed(portal: Portal, epoch: AsyncIterator[Any]) -> None:
+    if running_loop() is not portal.loop:  # not from inside a step (a GC there)
+        portal.call(_aclose(epoch))
 
 
 async def _anext(it: AsyncIterator[Any], stream: Any = None) -> Any:

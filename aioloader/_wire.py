@@ -32,6 +32,7 @@ class Tag(enum.IntEnum):
     PROGRESS = 14
     RETIRING = 15
     SKIPPED = 16
+    BATCH_FAILED = 17
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,18 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchFailed:
+    """Making batch ``seq`` raised (the dataset or the collate); the worker goes on with its
+    next task, as torch's does: the error is that batch's, raised in its turn."""
+
+    TAG: ClassVar[Tag] = Tag.BATCH_FAILED
+    seq: int
+    error_repr: str
+    traceback: str
+    pickled: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
 class Arena:
     """The worker's arena is now the file descriptor passed with this message."""
 
@@ -133,9 +146,10 @@ class Skipped:
     error: str
 
 
-Message = Release | Task | Batch | PassEnd | Failed | Arena | Progress | Retiring | Skipped
+Message = (Release | Task | Batch | PassEnd | Failed | BatchFailed | Arena | Progress | Retiring
+           | Skipped)
 _TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (
-    Release, Task, Batch, PassEnd, Failed, Arena, Progress, Retiring, Skipped)}
+    Release, Task, Batch, PassEnd, Failed, BatchFailed, Arena, Progress, Retiring, Skipped)}
 
 
 def encode(msg: Message) -> bytes:

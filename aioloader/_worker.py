@@ -248,6 +248,7 @@ class _Channel:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.frames = wire.FrameReader()
+        self.shelf = shelf
         self.pool = (SlotPool(spec.workers.slots, f"aioloader-w{spec.worker_id}") if shelf is None
                      else RefPool(spec.workers.slots, shelf))
         self.tasks: collections.deque[wire.Task] = collections.deque()
@@ -365,6 +366,14 @@ class _Channel:
         slot = await self.slot()
         if slot is None:
             return False
+        try:
+            return await self._fill(slot, seq, make, mark)
+        except BaseException:
+            self.pool.free.appendleft(slot)  # never published: it is still ours
+            raise
+
+    async def _fill(self, slot: int, seq: int, make: Callable[[], Any],
+                    mark: Mark | str | None) -> bool:
         pool = self.pool
         if isinstance(pool, RefPool):  # a thread worker: the batch itself, by reference
             with use_allocator(MEMORY):  # memory that batches dropped before left warm
@@ -471,13 +480,23 @@ async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = Non
 
 
 async def _report(chan: _Channel, exc: BaseException, shelf: Shelf | None) -> None:
-    pickled: bytes | None = None
-    if shelf is not None:
-        shelf.error = exc  # the parent is in this process: the exception itself
-    else:
-        pickled = pickled_error(exc)
     with contextlib.suppress(OSError):
-        await chan.send(wire.Failed(repr(exc), traceback_text(exc), pickled))
+        await chan.send(wire.Failed(*_described(exc, shelf)))
+
+
+def _described(exc: BaseException, shelf: Shelf | None,
+               seq: int | None = None) -> tuple[str, str, bytes | None]:
+    """``exc`` as the wire carries it: its repr, its traceback, and itself pickled; a
+    thread worker's parent is in this process and takes the exception itself from
+    ``shelf`` (by batch ``seq``, or as the worker's own)."""
+    pickled: bytes | None = None
+    if shelf is None:
+        pickled = pickled_error(exc)
+    elif seq is None:
+        shelf.error = exc
+    else:
+        shelf.errors[seq] = exc
+    return repr(exc), traceback_text(exc), pickled
 
 
 def pickled_error(exc: BaseException) -> bytes | None:
@@ -642,7 +661,12 @@ async def _run_index(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
         task = await chan.task()
         if task is None:
             return
-        if not await chan.emit(task.seq, _collated(pipe, pipe.fetch(task.indices, touch))):
+        try:
+            sent = await chan.emit(task.seq, _collated(pipe, pipe.fetch(task.indices, touch)))
+        except Exception as exc:  # noqa: BLE001 - that batch's error; the next task follows
+            await chan.send(wire.BatchFailed(task.seq, *_described(exc, chan.shelf, task.seq)))
+            continue
+        if not sent:
             return
         if retire.batch_done():
             await _hand_over(chan, None)

@@ -293,3 +293,54 @@ def test_an_iterable_dataset_past_its_length_warns_as_torchs(num_workers: int) -
                 assert len(run(loader)) == 8
         else:
             assert len(run(loader)) == 4
+
+
+class BadSamples(tud.Dataset[torch.Tensor]):
+    """Items 3 and 7 raise, as a corrupt file would."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i in (3, 7):
+            raise KeyError(f"bad sample {i}")
+        return torch.tensor(i)
+
+
+def _skipping_errors(it: Any) -> list[Any]:
+    """What a torch user's loop that skips failed batches sees."""
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(next(it).tolist())
+        except StopIteration:
+            return got
+        except KeyError as err:
+            got.append(f"KeyError: {'bad sample 3' in str(err) or 'bad sample 7' in str(err)}")
+
+
+@pytest.mark.parametrize("num_workers", [2])
+def test_an_error_leaves_the_iterator_usable_as_torchs(num_workers: int) -> None:
+    outcomes = []
+    for loader_type in LOADERS:
+        loader = loader_type(BadSamples(), batch_size=2, num_workers=num_workers)
+        outcomes.append(_skipping_errors(iter(loader)))
+        if isinstance(loader, aioloader.DataLoader):
+            loader.close()
+    assert outcomes[1] == outcomes[0] == [
+        [0, 1], "KeyError: True", [4, 5], "KeyError: True", [8, 9]]
+
+
+async def test_an_error_leaves_async_for_usable() -> None:
+    loader = aioloader.DataLoader(BadSamples(), batch_size=2, num_workers=2)
+    it = aiter(loader)
+    got: list[Any] = []
+    while True:
+        try:
+            got.append((await anext(it)).tolist())
+        except StopAsyncIteration:
+            break
+        except KeyError:
+            got.append("KeyError")
+    assert got == [[0, 1], "KeyError", [4, 5], "KeyError", [8, 9]]
+    await loader.aclose()
