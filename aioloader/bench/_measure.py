@@ -208,7 +208,8 @@ def aio_loader(spec: Spec, workload: Workload, dataset: Any) -> aioloader.DataLo
     return aioloader.DataLoader(
         dataset, batch_size=workload.batch_size, num_workers=spec.num_workers,
         start_method=spec.start_method, collate_fn=collate, quiet=True, seed=0,
-        worker_nice=spec.worker_nice, worker_type=spec.worker_type)
+        worker_nice=spec.worker_nice, worker_type=spec.worker_type,
+        persistent_workers=spec.num_workers > 0)  # as the torch peer's (_peers.py)
 
 
 def peer_setup(spec: Spec, workload: Workload) -> Setup:
