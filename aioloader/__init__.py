@@ -5,6 +5,7 @@ blocked waiting for them. ``async for batch in loader`` in async code, ``for bat
 loader`` (or ``loader.sync(device=...)``) everywhere else.
 """
 
+from ._bars import shows_bars
 from ._collate import PadCollate, default_collate
 from ._errors import (
     FrameTooLargeError,
@@ -51,5 +52,6 @@ __all__ = [
     "WorkerStats",
     "default_collate",
     "get_worker_info",
+    "shows_bars",
 ]
 __version__ = "0.1.0"

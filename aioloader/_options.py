@@ -19,8 +19,9 @@ from ._sources import Kind
 
 START_METHODS = ("fork", "spawn", "forkserver")
 WORKER_TYPES = ("process", "thread", "ray")
-RAY_MISSING = ("worker_type='ray' needs Ray, which is not installed: pip install "
-               "'aioloader[ray]' (or pip install ray==2.60.0), or use worker_type='process'")
+RAY_MISSING = ("worker_type='ray' needs Ray, which is not installed: pip install -e '.[ray]' "
+               "in a clone of aioloader (or pip install ray==2.60.0), or use "
+               "worker_type='process'")
 # Actor options that aioloader sets itself (see _ray.py): a dead actor is healed from the
 # consumer's position (max_worker_restarts); Ray replaying its calls would deliver twice.
 RAY_RESERVED = ("max_restarts", "max_task_retries", "max_concurrency", "concurrency_groups")

@@ -30,7 +30,7 @@ def code_blocks() -> list[pytest.ParameterSet]:
             line = text.count("\n", 0, match.start("code")) + 1
             marks = [pytest.mark.skip(reason="marked no-test")] if match["marker"] else []
             if "import ray" in match["code"] and importlib.util.find_spec("ray") is None:
-                marks.append(pytest.mark.skip(reason="needs Ray: pip install aioloader[ray]"))
+                marks.append(pytest.mark.skip(reason="needs Ray: pip install -e '.[ray]'"))
             params.append(pytest.param(match["code"], id=f"{doc}:{line}", marks=marks))
     return params
 

@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-type", choices=("process", "ray"), default="process",
                         help="aioloader's workers on the throughput workloads (default "
                         "process). 'ray': Ray actors on a local Ray started in each run "
-                        "(pip install aioloader[ray]); aioloader with worker processes runs "
+                        "(pip install -e '.[ray]' in a clone); aioloader with worker processes runs "
                         "beside it in the same pairs, and the table adds Ray against "
                         "processes and Ray's cost per batch (docs/beyond.md)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
@@ -179,8 +179,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import importlib.util
 
         if importlib.util.find_spec("ray") is None:
-            parser.error("--worker-type ray: Ray is not installed (pip install "
-                         "'aioloader[ray]')")
+            parser.error("--worker-type ray: Ray is not installed (pip install -e "
+                         "'.[ray]' in a clone of aioloader)")
         if args.num_workers == 0:
             parser.error("--worker-type ray needs --num-workers 1 or more")
     batches = default_batches(args.quick)
