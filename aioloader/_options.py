@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ._device import DeviceLike, as_device
+from ._errors import ArgumentTypeError
 from ._loads import LoadOptions, Retry
 from ._samplers import BatchSampler
 from ._sources import Kind
@@ -27,12 +28,6 @@ RAY_MISSING = ("worker_type='ray' needs Ray, which is not installed: pip install
 RAY_RESERVED = ("max_restarts", "max_task_retries", "max_concurrency", "concurrency_groups")
 DEFAULT_PREFETCH = 4
 FULL_NICE = 19  # worker_nice's default where worker processes fill every core (issue 23)
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type: a ``TypeError``, as torch raises for one. Also a
-    ``ValueError``, which is what the loader raised for several of these before issue 19, so
-    that an ``except ValueError`` written then still catches them."""
 
 
 def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[str, Any]:

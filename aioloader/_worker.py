@@ -507,8 +507,9 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def _collated(pipe: Pipeline, items: list[Any]) -> Callable[[], Any]:
-    return lambda: pipe.collate(items)
+def _collated(pipe: Pipeline, items: list[Any],
+              indices: list[Any] | None = None) -> Callable[[], Any]:
+    return lambda: pipe.collate(items, indices)
 
 
 def _plain(key: Any) -> Any:
@@ -642,7 +643,8 @@ async def _run_index(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
         task = await chan.task()
         if task is None:
             return
-        if not await chan.emit(task.seq, _collated(pipe, pipe.fetch(task.indices, touch))):
+        items = pipe.fetch(task.indices, touch)
+        if not await chan.emit(task.seq, _collated(pipe, items, task.indices)):
             return
         if retire.batch_done():
             await _hand_over(chan, None)
