@@ -85,4 +85,5 @@ def test_constraints_pin_every_extra_requirement() -> None:
     names = {re.sub(r"[-_.]+", "-", re.split(r"[\s\[<>=!;~]", req, maxsplit=1)[0]).lower()
              for req in wanted}
     names.discard("torch")  # installed first, as the README says; the machine caps its version
+    names.discard("aioloader")  # an extra naming another of ours: s3-local brings remote's
     assert sorted(names - pinned.keys()) == []
