@@ -38,6 +38,10 @@ def shows_bars(quiet: bool | None) -> bool:
     notebook, not a log file or CI), asked as each bar is built so a redirected stderr counts.
 
     torch's loader prints nothing; a script ported by its import must not fill logs (issue 19).
+    Public as ``aioloader.shows_bars``, so that a script's own bars follow the same rule.
+
+    Example:
+        bar = tqdm(total=steps, disable=not aioloader.shows_bars(None))
     """
     if quiet is not None:
         return not quiet

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from ._errors import CollateKeyError
 from ._info import Patch
 
 __all__ = [
@@ -348,7 +349,8 @@ def _same_dtype(tensors: Sequence[Any]) -> bool:
 
 def _collate_mappings(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
     elem = batch[0]
-    values = {key: _collate([d[key] for d in batch], (*path, f"[{key!r}]"), pad) for key in elem}
+    values = {key: _collate(_column(batch, key, path), (*path, f"[{key!r}]"), pad)
+              for key in elem}
     if type(elem) is dict:
         return values
     # torch rebuilds the sample's own mapping type, falling back to dict when that fails.
@@ -360,6 +362,19 @@ def _collate_mappings(batch: Sequence[Any], path: _Path, pad: PadCollate | None)
         return type(elem)(values)
     except TypeError:
         return values
+
+
+def _column(batch: Sequence[Any], key: Any, path: _Path) -> list[Any]:
+    """``key``'s value in every sample; a sample without it is named, with the first's keys
+    (a bare ``KeyError('x')`` from here said neither which sample nor what it had)."""
+    try:
+        return [d[key] for d in batch]
+    except KeyError:
+        for position, d in enumerate(batch):
+            if key not in d:
+                raise CollateKeyError(key, position, list(batch[0]), list(d),
+                                      _where(path)) from None
+        raise  # a mapping's own __getitem__ raised for a key it says it has
 
 
 def _collate_namedtuples(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import pickle
+import reprlib
 import threading
 import types
 
@@ -92,6 +94,22 @@ def _mixed_type(original: type[BaseException]) -> type[WorkerError] | None:
         return cls
 
 
+def from_worker_class(name: str) -> type[WorkerError] | None:
+    """The class named ``name`` (``ValueErrorFromWorker``) that a traceback shows as
+    ``aioloader.ValueErrorFromWorker``: one made already, or one for a built-in type; None
+    for any other name."""
+    if not name.endswith("FromWorker"):
+        return None
+    with _MIXED_LOCK:
+        made = [cls for cls in _MIXED.values() if cls is not None and cls.__name__ == name]
+    if made:
+        return made[0]
+    base = getattr(builtins, name.removesuffix("FromWorker"), None)
+    if isinstance(base, type) and issubclass(base, BaseException):
+        return _mixed_type(base)
+    return None
+
+
 def _rebuild_from_worker(original: type[BaseException], message: str,
                          state: dict[str, object]) -> Exception:
     cls = _mixed_type(original) or WorkerError
@@ -129,12 +147,27 @@ class WorkerDied(WorkerError, RuntimeError):
             worker_id=worker_id, pid=pid)
 
 
+# The exit code of a process that spawn (or forkserver) was preparing as a worker, which
+# re-ran the parent's unguarded script and so tried to start workers itself: distinct from
+# Python's 1 and from 128 + a signal, so that the parent can say what happened (issue 36).
+UNGUARDED_MAIN_EXIT = 87
+UNGUARDED_MAIN = (
+    "it re-ran your script's top-level code (start_method 'spawn' and 'forkserver' import the "
+    "main module in each new process), and that code started workers of its own before this "
+    "one could begin. "
+    "Put the code that makes and iterates the loader under `if __name__ == \"__main__\":` (as "
+    "the multiprocessing docs ask, \"Safe importing of main module\"), or use "
+    "start_method=\"fork\"")
+
+
 def describe_exit(exitcode: int | None) -> str:
     """'exit code 3', 'killed by signal 9 (SIGKILL)' or 'exit status unknown'."""
     import signal
 
     if exitcode is None:
         return "exit status unknown"
+    if exitcode == UNGUARDED_MAIN_EXIT:
+        return f"exit code {exitcode}: {UNGUARDED_MAIN}"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -149,6 +182,56 @@ def describe_exit(exitcode: int | None) -> str:
             hint = " — a bus error, often shared memory that ran out"
         return f"killed by signal {-exitcode} ({name}){hint}"
     return f"exit code {exitcode}"
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError``, as torch raises for one. Also a
+    ``ValueError``, which is what the loader raised for several of these before issue 19, so
+    that an ``except ValueError`` written then still catches them."""
+
+
+class CollateKeyError(KeyError):
+    """A sample of a batch lacks a key that the batch's first sample has (the default collate
+    and ``PadCollate`` take each key from the first sample, as torch's does).
+
+    A ``KeyError``, as torch's ``default_collate`` raises here, so code that catches that
+    still does. ``key``: the key; ``position``: the sample's place in the batch; ``sample``:
+    its dataset index (or key) where the loader knows it, else None; ``where``: the key's
+    place inside a sample ("at the top level", "at ['meta']"); ``first_keys`` and
+    ``sample_keys``: the keys of the first sample and of this one.
+    """
+
+    def __init__(self, key: object, position: int, first_keys: list[object],
+                 sample_keys: list[object], where: str, sample: object = None) -> None:
+        self.key = key
+        self.position = position
+        self.first_keys = first_keys
+        self.sample_keys = sample_keys
+        self.where = where
+        self.sample = sample
+        which = f"sample {position} of the batch"
+        if sample is not None:
+            which += f" (index {sample!r})"
+        super().__init__(
+            f"{which} has no key {key!r} {where}, which the first sample has: the first "
+            f"sample's keys are {_keys(first_keys)}, this one's {_keys(sample_keys)}. Give "
+            "every sample the same keys, or pass a collate_fn that fills the missing ones")
+
+    def with_sample(self, sample: object) -> CollateKeyError:
+        """The same error, naming the sample's dataset index (or key)."""
+        return CollateKeyError(self.key, self.position, self.first_keys, self.sample_keys,
+                               self.where, sample)
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # not KeyError's repr of it, in quotes
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (CollateKeyError, (self.key, self.position, self.first_keys,
+                                  self.sample_keys, self.where, self.sample))
+
+
+def _keys(keys: list[object]) -> str:
+    return reprlib.repr(keys)
 
 
 class LoaderTimeoutError(TimeoutError, RuntimeError):

@@ -14,25 +14,21 @@ from typing import Any
 import torch
 
 from ._device import DeviceLike, as_device
+from ._errors import ArgumentTypeError
 from ._loads import LoadOptions, Retry
 from ._samplers import BatchSampler
 from ._sources import Kind
 
 START_METHODS = ("fork", "spawn", "forkserver")
 WORKER_TYPES = ("process", "thread", "ray")
-RAY_MISSING = ("worker_type='ray' needs Ray, which is not installed: pip install "
-               "'aioloader[ray]' (or pip install ray==2.60.0), or use worker_type='process'")
+RAY_MISSING = ("worker_type='ray' needs Ray, which is not installed: pip install -e '.[ray]' "
+               "in a clone of aioloader (or pip install ray==2.60.0), or use "
+               "worker_type='process'")
 # Actor options that aioloader sets itself (see _ray.py): a dead actor is healed from the
 # consumer's position (max_worker_restarts); Ray replaying its calls would deliver twice.
 RAY_RESERVED = ("max_restarts", "max_task_retries", "max_concurrency", "concurrency_groups")
 DEFAULT_PREFETCH = 4
 FULL_NICE = 19  # worker_nice's default where worker processes fill every core (issue 23)
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type: a ``TypeError``, as torch raises for one. Also a
-    ``ValueError``, which is what the loader raised for several of these before issue 19, so
-    that an ``except ValueError`` written then still catches them."""
 
 
 def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ._collate import Unbatched, default_collate
+from ._collate import PadCollate, Unbatched, default_collate
+from ._errors import CollateKeyError
 from ._loads import LoadOptions, LoadStage, Report, SkippedLoad
 from ._position import PASS_START, BlockStart, Frontier, Mark, Shard, ShardPosition
 from ._samplers import Batcher, BatchSampler, Group
@@ -151,8 +152,18 @@ class Pipeline:
     rank: int = 0
     world_size: int = 1
 
-    def collate(self, items: list[Any]) -> Any:
-        return (self.collate_fn or default_collate)(items)
+    def collate(self, items: list[Any], indices: list[Any] | None = None) -> Any:
+        """``items`` collated. ``indices``: the dataset indices they were fetched at, which a
+        :class:`CollateKeyError` of our collate then names beside the sample's place."""
+        try:
+            return (self.collate_fn or default_collate)(items)
+        except CollateKeyError as exc:
+            ours = self.collate_fn in (None, default_collate) or isinstance(self.collate_fn,
+                                                                           PadCollate)
+            if not ours or indices is None or len(indices) != len(items) or exc.sample is not None:
+                raise  # a collate of the user's may have reordered the samples
+            raise exc.with_sample(indices[exc.position]).with_traceback(
+                exc.__traceback__) from None
 
     def stage(self, worker: int | None, report: Report) -> LoadStage | None:
         """The load stage, to enter (None: the source yields instances)."""

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import hashlib
 import html
+import importlib.util
 import json
 import os
 import pickle
@@ -49,10 +50,31 @@ REGION = "us-east-1"
 POOL_SIZE = 4 << 20  # bytes of randomness that generated objects are sliced from
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 _HEADER = struct.Struct("!Q")  # the length of the pickled configuration on stdin
+# What each server needs installed (its child's imports, and the client make_bucket uses),
+# and the extra of pyproject.toml that brings it.
+NEEDS = {"objects": (("aiohttp",), "remote"), "s3": (("moto", "werkzeug", "boto3"), "s3-local")}
 
 
 class ServerStartError(RuntimeError):
-    """A server's child process exited or stayed silent before it reported readiness."""
+    """A server's child process exited or stayed silent before it reported readiness, or
+    what it needs is not installed (the message says which extra brings it)."""
+
+
+def _check_installed(mode: str) -> None:
+    """Fail at once, naming the extra to install, rather than with the child's ImportError."""
+    modules, extra = NEEDS[mode]
+    missing = [name for name in modules if not _installed(name)]
+    if missing:
+        raise ServerStartError(
+            f"the {mode} server needs {', '.join(missing)}, which is not installed: in a clone "
+            f"of aioloader, pip install -e \".[{extra}]\" -c constraints.txt")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails, a broken __spec__
+        return False
 
 
 def expected_object(name: str, size: int, seed: int = 0) -> bytes:
@@ -209,6 +231,7 @@ def s3_server() -> Iterator[S3Server]:
 def _child(mode: str, config: dict[str, Any],
            env: dict[str, str] | None = None) -> Iterator[tuple[int, int]]:
     """``python -m aioloader._servers MODE``, configured and ready: yields (pid, port)."""
+    _check_installed(mode)
     payload = pickle.dumps(config)
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen([sys.executable, "-m", "aioloader._servers", mode],

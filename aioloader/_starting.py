@@ -70,7 +70,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch.multiprocessing
 
-from ._errors import SourcePicklingError
+from ._errors import UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT, SourcePicklingError
 from ._worker import WorkerSpec, forking, worker_main
 
 STARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloader-start")
@@ -184,6 +184,23 @@ def _unlist(process: BaseProcess) -> None:
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
 
 
+def _start(process: BaseProcess) -> None:
+    """``process.start()``. In a process that spawn is still preparing (it re-runs the
+    parent's script to import the main module, and the script has no ``__main__`` guard),
+    multiprocessing refuses with a RuntimeError about "bootstrapping": that process then
+    says why on stderr and exits with :data:`UNGUARDED_MAIN_EXIT`, which its parent's
+    ``WorkerDied`` explains, instead of a bare "exit code 1" (issue 36)."""
+    try:
+        process.start()
+    except RuntimeError:
+        if not getattr(multiprocessing.process.current_process(), "_inheriting", False):
+            raise
+        sys.stderr.write(f"aioloader: a worker process stopped while it started: "
+                         f"{UNGUARDED_MAIN}.\n")
+        sys.stderr.flush()
+        os._exit(UNGUARDED_MAIN_EXIT)
+
+
 def _start_process(launch: Launch, child: socket.socket) -> None:
     """In the starter thread: start the process, then drop the child's end."""
     if launch.sock.fileno() < 0:  # stopped (or retired) while this start waited its turn
@@ -196,7 +213,7 @@ def _start_process(launch: Launch, child: socket.socket) -> None:
         return
     try:
         with forking():  # fork: the worker never finalizes what it inherits (issue 19)
-            process.start()
+            _start(process)
         launch.started = True
         _unlist(process)
     finally:
@@ -392,7 +409,7 @@ class Standby:
         """In the starter thread."""
         try:
             self.surroundings = Surroundings.now()
-            self.process.start()
+            _start(self.process)
             _unlist(self.process)
         finally:
             child.close()

@@ -526,8 +526,9 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def _collated(pipe: Pipeline, items: list[Any]) -> Callable[[], Any]:
-    return lambda: pipe.collate(items)
+def _collated(pipe: Pipeline, items: list[Any],
+              indices: list[Any] | None = None) -> Callable[[], Any]:
+    return lambda: pipe.collate(items, indices)
 
 
 def _plain(key: Any) -> Any:
@@ -662,7 +663,8 @@ async def _run_index(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
         if task is None:
             return
         try:
-            sent = await chan.emit(task.seq, _collated(pipe, pipe.fetch(task.indices, touch)))
+            items = pipe.fetch(task.indices, touch)
+            sent = await chan.emit(task.seq, _collated(pipe, items, task.indices))
         except Exception as exc:  # noqa: BLE001 - that batch's error; the next task follows
             await chan.send(wire.BatchFailed(task.seq, *_described(exc, chan.shelf, task.seq)))
             continue

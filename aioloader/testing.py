@@ -459,6 +459,15 @@ def leak_check(deadline: float = 10.0, include_helpers: bool = False) -> Iterato
 
 # -- local servers: an HTTP object store with fault injection, and moto S3 ---------------
 
-from ._servers import ObjectServer, S3Server, expected_object, object_server, s3_server  # noqa: E402
+from ._servers import (  # noqa: E402
+    ObjectServer,
+    S3Server,
+    ServerStartError,
+    expected_object,
+    object_server,
+    s3_server,
+)
 
-__all__ += ["ObjectServer", "S3Server", "expected_object", "object_server", "s3_server"]
+ServerStartError.__module__ = __name__  # tracebacks name it aioloader.testing.ServerStartError
+__all__ += ["ObjectServer", "S3Server", "ServerStartError", "expected_object", "object_server",
+            "s3_server"]

@@ -7,6 +7,7 @@ and each keeps up to ``concurrency`` GETs in flight, retrying transient failures
 ``storage_options`` at a real bucket and nothing else changes. At the end it prints the loss
 and ``loader.stats()``: the data stall is the share of the time the model waited for data.
 
+    pip install -e ".[s3-local]" -c constraints.txt   # the local S3 (moto) and s3fs
     python examples/train_from_s3.py              # 1024 images, 2 epochs
     python examples/train_from_s3.py --smoke      # a few steps, to check the setup
     AIOLOADER_SMOKE=1 python examples/train_from_s3.py
@@ -71,7 +72,7 @@ async def train(args: argparse.Namespace, storage_options: dict[str, object]) ->
     # few blocks at a time, instead of caching the whole bucket in this process.
     loader = aioloader.DataLoader(reader, batch_size=32, shuffle=True, seed=0, num_workers=2,
                                   concurrency=16, retries=3, max_instances_in_memory=128,
-                                  batches_per_epoch=args.steps, quiet=False)
+                                  batches_per_epoch=args.steps)  # bars on a terminal only
     model = SmallCNN()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     losses: list[float] = []

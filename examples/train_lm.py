@@ -89,7 +89,7 @@ def make_loader(files: list[str], *, batch_size: int, workers: int,
         batch_sampler=aioloader.BucketBatchSampler(batch_size, sorting_keys=["tokens"]),
         collate_fn=aioloader.PadCollate(pad_value=0),
         num_workers=workers,
-        quiet=True,  # this script draws its own progress bar
+        quiet=True,  # this script draws its own progress bar (when stderr is a terminal)
         seed=0,
         **options,
     )
@@ -192,7 +192,10 @@ async def train(args: argparse.Namespace) -> None:
     evaluation: asyncio.Task | None = None  # at most one of each in flight
     checkpoint: asyncio.Task | None = None
     async with train_loader, eval_loader:
-        bar = tqdm(total=args.steps, desc="training", unit="batch")
+        # Drawn where the loader would draw its own (quiet=None): a terminal or a notebook,
+        # not a log file, where a bar's redraws would pile up.
+        bar = tqdm(total=args.steps, desc="training", unit="batch",
+                   disable=not aioloader.shows_bars(None))
         started = ready = time.perf_counter()
         async for batch in train_loader:
             waited += time.perf_counter() - ready

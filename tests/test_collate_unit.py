@@ -25,6 +25,7 @@ from aioloader._collate import (
     new_tensor,
     use_allocator,
 )
+from aioloader._errors import CollateKeyError
 from aioloader._recycle import Recycler
 
 # ------------------------------------------------------------------------------ helpers
@@ -243,6 +244,37 @@ def test_unequal_tensor_shapes_raise_like_torch() -> None:
         with use_allocator(alloc):
             err = raises_like_torch([torch.zeros(2), torch.zeros(3)])
         assert "stack expects each tensor to be equal size" in str(err)
+
+
+def test_a_sample_without_a_key_is_named_with_what_the_first_had() -> None:
+    """torch raises a bare KeyError('x'); ours is a KeyError too, and says which sample lacks
+    which key, and the keys of the first sample and of that one (issue 36)."""
+    samples = [{"x": 1, "y": 2}, {"x": 3, "y": 4}, {"y": 5, "z": 6}]
+    err = raises_like_torch(samples)
+    assert isinstance(err, CollateKeyError) and isinstance(err, KeyError)
+    assert (err.key, err.position, err.first_keys, err.sample_keys, err.sample) == (
+        "x", 2, ["x", "y"], ["y", "z"], None)
+    assert str(err).startswith("sample 2 of the batch has no key 'x' at the top level, "
+                               "which the first sample has: the first sample's keys are "
+                               "['x', 'y'], this one's ['y', 'z']"), str(err)
+    named = err.with_sample(17)
+    assert str(named).startswith("sample 2 of the batch (index 17) has no key 'x'")
+    again = pickle.loads(pickle.dumps(named))  # crosses from a worker as itself
+    assert type(again) is CollateKeyError and str(again) == str(named)
+
+
+def test_a_nested_sample_without_a_key_says_where_and_padding_does_too() -> None:
+    samples = [{"meta": {"id": 1, "len": [1]}}, {"meta": {"len": [2, 3]}}]
+    for collate in (default_collate, PadCollate()):
+        with pytest.raises(CollateKeyError) as info:
+            collate(samples)
+        assert str(info.value).startswith("sample 1 of the batch has no key 'id' at ['meta']")
+
+
+def test_extra_keys_in_later_samples_are_dropped_like_torch() -> None:
+    """Only a key the first sample has and another lacks is an error: torch's rule."""
+    ours, theirs = both([{"x": 1}, {"x": 2, "extra": 3}])
+    assert_same(ours, theirs)
 
 
 def test_mixed_number_types_raise_like_torch() -> None:

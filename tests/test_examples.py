@@ -28,22 +28,30 @@ def run_example(name: str, tmp_path: pathlib.Path) -> str:
     args = [sys.executable, str(EXAMPLES / name)]
     if name == "train_lm.py":
         args += ["--checkpoint", str(tmp_path / "lm.pt")]
-    # A session of its own, so that the whole tree can be killed and checked for leftovers.
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    returncode, out = run_script(args, tmp_path, env)
+    assert returncode == 0, f"{name} exited with {returncode}:\n{out[-3000:]}"
+    return out
+
+
+def run_script(args: list[str], cwd: pathlib.Path, env: dict[str, str],
+               timeout: float = TIMEOUT) -> tuple[int, str]:
+    """``args`` run to its end: its exit status, and its stdout and stderr together. It
+    runs in a session of its own, so that the whole tree can be killed and checked for
+    leftovers: every descendant must be gone with the script."""
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{name} did not finish within {TIMEOUT} s:\n{out[-3000:]}")
+        pytest.fail(f"{args[1:]} did not finish within {timeout} s:\n{out[-3000:]}")
     finally:
-        leftovers = _group_alive(proc.pid)  # every descendant must be gone with the script
+        leftovers = _group_alive(proc.pid)
         if leftovers:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{out[-3000:]}"
-    assert not leftovers, f"{name} left processes behind: {leftovers}"
-    return out
+    assert not leftovers, f"{args[1:]} left processes behind: {leftovers}"
+    return proc.returncode, out
 
 
 def _group_alive(pgid: int) -> list[int]:
@@ -65,6 +73,9 @@ def test_example_runs(name: str, tmp_path: pathlib.Path) -> None:
     out = run_example(name, tmp_path)
     for line in EXPECTED[name]:
         assert line in out, f"{name}: {line!r} missing from its output:\n{out[-3000:]}"
+    # Its output goes to a pipe: no progress bar's redraws there, the loader's or its own,
+    # as the loader's quiet=None has it (issue 36: train_lm.py wrote 46 KB of them to a log).
+    assert "\r" not in out, f"{name} drew a progress bar into a pipe:\n{out[-3000:]}"
     if name == "train_lm.py":
         import torch
 

@@ -505,5 +505,5 @@ def test_without_ray_the_error_says_how_to_get_it(script: str) -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "pip install 'aioloader[ray]'" in out.stdout, out.stdout
+    assert "pip install -e '.[ray]'" in out.stdout, out.stdout
 

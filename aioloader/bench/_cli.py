@@ -17,11 +17,13 @@ from ._report import (
     QUICK_NOTE,
     Row,
     Target,
+    legend,
     machine_lines,
     summarise,
     table,
     target_lines,
     targets,
+    targets_header,
 )
 from ._resume import RESUME, ResumePlan
 from ._runner import (
@@ -129,9 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-type", choices=("process", "ray"), default="process",
                         help="aioloader's workers on the throughput workloads (default "
                         "process). 'ray': Ray actors on a local Ray started in each run "
-                        "(pip install aioloader[ray]); aioloader with worker processes runs "
-                        "beside it in the same pairs, and the table adds Ray against "
-                        "processes and Ray's cost per batch (docs/beyond.md)")
+                        "(pip install -e '.[ray]' in a clone); aioloader with worker "
+                        "processes runs beside it in the same pairs, and the table adds Ray "
+                        "against processes and Ray's cost per batch (docs/beyond.md)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing "
@@ -179,8 +181,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import importlib.util
 
         if importlib.util.find_spec("ray") is None:
-            parser.error("--worker-type ray: Ray is not installed (pip install "
-                         "'aioloader[ray]')")
+            parser.error("--worker-type ray: Ray is not installed (pip install -e "
+                         "'.[ray]' in a clone of aioloader)")
         if args.num_workers == 0:
             parser.error("--worker-type ray needs --num-workers 1 or more")
     batches = default_batches(args.quick)
@@ -245,9 +247,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if throughput:
         print()
         print(table(rows))
+        print()
+        print(legend(rows))
         found = targets(rows, machine, plan.start_method)
         print()
-        print(f"targets (issues 5 and 13; {QUICK_NOTE if args.quick else 'medians over pairs'}):")
+        print(targets_header(QUICK_NOTE if args.quick else "medians over pairs"))
         print(target_lines(found, judged=not args.quick))
     if RESUME in args.workloads:
         raw[RESUME], resume_failed = _run_resume(args, pairs)

@@ -49,7 +49,7 @@ from aioloader.testing import ObjectServer, object_server
 from ._footprint import Busy, Footprint
 from ._measure import Clock, Face, LoopName, run_on
 from ._peers import Setup, torch_loader
-from ._report import QUICK_NOTE, verdict
+from ._report import QUICK_NOTE, targets_header, verdict
 from ._runner import MeasurementError, isolated_call
 
 Result = dict[str, Any]
@@ -470,7 +470,7 @@ def run_cli(args: Any, pairs: int) -> tuple[Result, bool]:
     print()
     print(table(plan, rows))
     print()
-    print(f"targets (issue 11; {QUICK_NOTE if quick else 'medians over pairs'}):")
+    print(targets_header(QUICK_NOTE if quick else "medians over pairs"))
     print("\n".join(target_lines(plan, rows, judged=not quick)))
     for name, results in raw["runs"].items():
         left = [pid for r in results for pid in r.get("leftover_pids", ())]

@@ -1,9 +1,11 @@
-"""Summaries of the runs: medians, ratios over pairs, the table and the issues' targets."""
+"""Summaries of the runs: medians, ratios over pairs, the table, what its figures mean, and
+the targets."""
 
 from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,10 +23,37 @@ THROUGHPUT_METRICS = (
     ("cpu_ms_per_batch", "main CPU ms/batch"),
     ("faults_per_batch", "main faults/batch"),
     ("peak_rss_mb", "peak RSS +MB"),
-    # The consumer's wait share, from loader.stats() (aioloader only). The bench's consumer
-    # does no work, so it is near 100 %: the loader is the bottleneck by design here.
+    # The consumer's wait share, from loader.stats() (aioloader only): see MEANINGS.
     ("data_stall_pct", "data stall %"),
 )
+# Each metric in a user's words, printed under the table for those in it: a reader of the
+# output has the table and nothing else (issue 36).
+MEANINGS = {
+    "batches_per_s": "batches the consumer received per second (higher is better)",
+    "mb_per_s": "the batches' bytes received per second (higher is better)",
+    "ttfb_ms": "from DataLoader(...) to the first batch, the workers' start included",
+    "stall_ms": "the wait between an epoch's last batch and the next epoch's first",
+    "cpu_ms_per_batch": "CPU time of the consumer's process per batch: what loading takes "
+                        "from the training loop's core",
+    "faults_per_batch": "page faults of the consumer's process per batch: fresh memory touched",
+    "peak_rss_mb": "how much the consumer's process grew, in MB",
+    "data_stall_pct": "loader.stats().data_stall: the share of the time the consumer waited "
+                      "for a batch (aioloader only). This consumer does nothing with its "
+                      "batches, so it is always waiting: near 100 % is expected here and only "
+                      "says that the loader is what is measured. In a training loop, under 5 % "
+                      "means the data keeps up",
+    "lag_p50_ms": "how late a 1 ms timer on the consumer's event loop fired, median: what "
+                  "loading blocks of the loop",
+    "lag_p99_ms": "the same, 99th percentile",
+    "lag_max_ms": "the same, worst",
+    "start_lag_ms": "the timer's worst lateness before the first batch",
+    "ray_ms_per_batch": "what a Ray worker costs per batch over a worker process",
+    "construct_ms": "DataLoader(...) alone",
+    "close_ms": "closing the loader, its workers reaped",
+}
+LEGEND_WIDTH = 100
+RATIO_MEANING = ("ratio: aioloader / torch, median over pairs (min-max); above 1 is better "
+                 "for batches/s and MB/s, below 1 for the others")
 HIGHER_IS_BETTER = {"batches_per_s", "mb_per_s"}  # the others: lower is better
 LAG_METRICS = (
     ("lag_p50_ms", "lag p50 ms"),
@@ -192,8 +221,28 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def legend(rows: Sequence[Row]) -> str:
+    """What each metric of the table means, one line each, in the table's order."""
+    labels: dict[str, str] = {}
+    for r in rows:
+        labels.setdefault(r.metric, r.label.split(" [")[0].split(" @")[0].split(" ray|")[0])
+    width = max((len(label) for label in labels.values()), default=0)
+    lines = textwrap.wrap(RATIO_MEANING, LEGEND_WIDTH)
+    for metric, label in labels.items():
+        if metric in MEANINGS:
+            lines += textwrap.wrap(MEANINGS[metric], LEGEND_WIDTH,
+                                   initial_indent=f"{label:<{width}}  ",
+                                   subsequent_indent=" " * (width + 2))
+    return "\n".join(lines)
+
+
+def targets_header(note: str) -> str:
+    """The line above the targets: what they are, without the tracker's issue numbers."""
+    return f"targets (what aioloader is built to reach on these workloads; {note}):"
+
+
 def targets(rows: Sequence[Row], machine: Result, start_method: str) -> list[Target]:
-    """Issue 5's targets, for the workloads that ran."""
+    """The throughput and loop-lag targets, for the workloads that ran."""
     found = {(r.workload, r.label): r for r in rows}
     out: list[Target] = []
 

@@ -26,7 +26,8 @@ CPU_SPIN = 5500  # iterations of _spin: about 1 ms of pure Python on a 2020s cor
 POOL = 16  # distinct samples kept per process; __getitem__ returns views of them
 JPEGS = 64  # distinct JPEGs the decode workload cycles through, made once per process
 JPEG_QUALITY = 90
-NEEDS_PILLOW = "the decode workload needs Pillow: pip install pillow (or aioloader[bench])"
+NEEDS_PILLOW = ("the decode workload needs Pillow: pip install pillow (or, in a clone of "
+                "aioloader, pip install -e '.[bench]')")
 
 
 @functools.cache
