@@ -46,6 +46,9 @@ def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[st
     _batch_sampler(a["batch_sampler"])
     a["batches_per_epoch"] = _optional_int("batches_per_epoch", a["batches_per_epoch"],
                                            "a positive int or None", least=1)
+    if _int_like(a["num_workers"]) and operator.index(a["num_workers"]) < 0:
+        raise ValueError(f"num_workers option should be non-negative (as torch says); use "
+                         f"num_workers=0 to disable multiprocessing, got {a['num_workers']}")
     a["num_workers"] = _int("num_workers", a["num_workers"],
                             "an int >= 0 (0: no worker processes)", least=0)
     a["max_instances_in_memory"] = _optional_int(
@@ -101,13 +104,14 @@ def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
     """The rules between arguments (``a``: as :func:`check_each` returned them); torch's
     ``multiprocessing_context`` and ``prefetch_factor`` become ``start_method`` and
     ``prefetch`` in ``a``."""
-    a["start_method"] = _start_method(a["start_method"], a["multiprocessing_context"])
+    a["start_method"] = _start_method(a["start_method"], a["multiprocessing_context"],
+                                      a["num_workers"])
     a["prefetch"] = _prefetch_of(a["prefetch"], a["prefetch_factor"], a["num_workers"])
+    _torch_samplers(kind, sampler=a["sampler"], shuffle=a["shuffle"],
+                    batch_sampler=a["batch_sampler"])
     _batching(batch_size=a["batch_size"], drop_last=a["drop_last"], shuffle=a["shuffle"],
               sampler=a["sampler"], batch_sampler=a["batch_sampler"],
               max_instances_in_memory=a["max_instances_in_memory"])
-    _torch_samplers(kind, sampler=a["sampler"], shuffle=a["shuffle"],
-                    batch_sampler=a["batch_sampler"])
     _ray_rules(a["worker_type"], a["ray_options"])
     _process_only(a["worker_type"], max_worker_restarts=a["max_worker_restarts"],
                   max_batches_per_worker=a["max_batches_per_worker"],
@@ -221,6 +225,9 @@ def _timeout(value: Any) -> float | None:
     if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real)
                          and value == 0):
         return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value < 0:
+        raise ValueError(f"timeout option should be non-negative (as torch says): a number of "
+                         f"seconds, or 0 or None for no timeout; got {value}")
     _seconds("timeout", value, "a positive number of seconds, 0 or None (no timeout)")
     seconds: float = value  # as given: an int stays an int
     return seconds
@@ -311,25 +318,24 @@ def _torch_samplers(kind: Kind, *, sampler: Any, shuffle: bool, batch_sampler: A
     """torch's rules for ``sampler``, and what a reader can use."""
     if sampler is not None:
         if shuffle:
-            raise ValueError("sampler is mutually exclusive with shuffle (as in torch): the "
-                             "sampler decides the order; use RandomSampler to shuffle")
-        if batch_sampler is not None:
-            raise ValueError("sampler is mutually exclusive with batch_sampler (as in torch): "
-                             "put the sampler inside the batch sampler")
+            raise ValueError("sampler option is mutually exclusive with shuffle (as in torch): "
+                             "the sampler decides the order; use RandomSampler to shuffle")
         if kind is not Kind.MAP:
             raise ValueError(
-                f"sampler {type(sampler).__name__} yields indices, which only a map-style "
-                "Dataset can use (torch's DataLoader refuses it too); a reader or an "
-                "IterableDataset orders its own instances")
+                "DataLoader with IterableDataset: expected unspecified sampler option, but got "
+                f"sampler={type(sampler).__name__}: a sampler yields indices, which only a "
+                "map-style Dataset can use (torch's DataLoader refuses it too); a reader or "
+                "an IterableDataset orders its own instances")
     if kind is not Kind.MAP and batch_sampler is not None and not isinstance(
             batch_sampler, BatchSampler):
         raise ValueError(
-            f"batch_sampler {type(batch_sampler).__name__} yields indices, which only a "
-            "map-style Dataset can use; for a reader pass an aioloader.BatchSampler "
-            "(such as aioloader.BucketBatchSampler)")
+            "DataLoader with IterableDataset: expected unspecified batch_sampler option, but "
+            f"got batch_sampler={type(batch_sampler).__name__}: it yields indices, which only "
+            "a map-style Dataset can use; to batch a reader or a stream by length, pass an "
+            "aioloader.BatchSampler (such as aioloader.BucketBatchSampler)")
 
 
-def _start_method(start_method: str, context: Any) -> str:
+def _start_method(start_method: str, context: Any, num_workers: int) -> str:
     """torch's ``multiprocessing_context`` (a start method's name, or a context from
     ``multiprocessing.get_context``) as our ``start_method``."""
     if context is None:
@@ -339,12 +345,18 @@ def _start_method(start_method: str, context: Any) -> str:
     elif callable(getattr(context, "get_start_method", None)):
         method = context.get_start_method()
     else:
-        raise ArgumentTypeError("multiprocessing_context must be a start method's name or a "
-                                "context from multiprocessing.get_context(...), got "
+        raise ArgumentTypeError("multiprocessing_context option should be a valid context "
+                                "object or a string specifying the start method (a start "
+                                "method's name, or a context from "
+                                "multiprocessing.get_context(...)), but got "
                                 f"{_got(context)}")
     if method not in START_METHODS:
-        raise ValueError(f"multiprocessing_context must be one of {', '.join(START_METHODS)}; "
-                         f"got {context!r}")
+        raise ValueError(f"multiprocessing_context option should specify a valid start method "
+                         f"in {list(START_METHODS)!r}, but got {context!r}")
+    if num_workers == 0:
+        raise ValueError("multiprocessing_context can only be used with multi-process loading "
+                         f"(num_workers > 0), but got num_workers={num_workers}: without "
+                         "workers no process starts")
     if start_method != "fork" and start_method != method:
         raise ValueError(f"start_method={start_method!r} conflicts with "
                          f"multiprocessing_context={context!r}: give one of them")

@@ -162,7 +162,8 @@ class Session:
                 raise  # a cancellation of the consumer's own (too)
             if reason == "timeout":
                 raise LoaderTimeoutError(
-                    f"nothing arrived within timeout={timeout}s; still waiting for "
+                    f"DataLoader timed out after {timeout} seconds: nothing arrived in that "
+                    f"time; still waiting for "
                     f"{self.producer.behind()}. Raise timeout= if the source is just slow."
                 ) from None
             raise LoaderClosedError(

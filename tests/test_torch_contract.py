@@ -344,3 +344,57 @@ async def test_an_error_leaves_async_for_usable() -> None:
             got.append("KeyError")
     assert got == [[0, 1], "KeyError", [4, 5], "KeyError", [8, 9]]
     await loader.aclose()
+
+
+@pytest.mark.parametrize(("kwargs", "error", "words"), [
+    ({"num_workers": -1}, ValueError, "num_workers option should be non-negative"),
+    ({"timeout": -1}, ValueError, "timeout option should be non-negative"),
+    ({"batch_size": None, "drop_last": True}, ValueError,
+     "batch_size=None option disables auto-batching and is mutually exclusive"),
+    ({"num_workers": 0, "multiprocessing_context": "spawn"}, ValueError,
+     r"multi-process loading \(num_workers > 0\), but got"),
+    ({"num_workers": 1, "multiprocessing_context": "bad"}, ValueError,
+     "should specify a valid start method in"),
+    ({"num_workers": 1, "multiprocessing_context": object()}, TypeError,
+     "multiprocessing_context option should be a valid context "),
+    ({"batch_size": 11, "sampler": range(3), "shuffle": True}, ValueError,
+     "sampler option is mutually exclusive with shuffle"),
+    ({"batch_sampler": [[0]], "sampler": range(3), "shuffle": True}, ValueError,
+     "sampler option is mutually exclusive with shuffle"),
+    ({"batch_sampler": [[0]], "drop_last": True}, ValueError,
+     "batch_sampler option is mutually exclusive with"),
+])
+def test_refusals_say_what_torchs_say(kwargs: dict[str, Any], error: type[Exception],
+                                      words: str) -> None:
+    # torch's own test suite matches these words; ours go on to say what to do.
+    for loader in LOADERS:
+        with pytest.raises(error, match=words):
+            loader(Squares(), **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"sampler": range(3)}, "expected unspecified sampler"),
+    ({"batch_sampler": [[0]]}, "expected unspecified batch_sampler"),
+])
+def test_an_iterable_datasets_refusals_say_what_torchs_say(kwargs: dict[str, Any],
+                                                           words: str) -> None:
+    for loader in LOADERS:
+        with pytest.raises(ValueError, match=f"DataLoader with IterableDataset: {words}"):
+            loader(Split(4), **kwargs)
+
+
+def test_a_timeout_says_what_torchs_says() -> None:
+    class Stuck(tud.Dataset[int]):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> int:
+            import time
+
+            time.sleep(30)  # the silence under test; the loader is closed long before
+            return i
+
+    loader = aioloader.DataLoader(Stuck(), num_workers=1, timeout=1)
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after \d+ seconds"):
+        next(iter(loader))
+    loader.close()
