@@ -28,13 +28,14 @@ class WebDatasetError(ValueError):
     """A tar shard is corrupt or truncated, or a member does not decode. ``url`` is the
     shard, ``member`` the tar member (or the sample key) where it went wrong."""
 
-    def __init__(self, message: str, url: str, member: str) -> None:
+    def __init__(self, message: str, url: str, member: str, offset: int | None = None) -> None:
         super().__init__(message)
         self.url = url
         self.member = member
+        self.offset = offset  # of the header of a member cut short (None: not known)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.args[0], self.url, self.member))
+        return (type(self), (self.args[0], self.url, self.member, self.offset))
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -247,10 +248,10 @@ def shard_list(urls: Any) -> list[str]:
     return out
 
 
-def _corrupt(url: str, member: str, what: str) -> WebDatasetError:
+def _corrupt(url: str, member: str, what: str, offset: int | None = None) -> WebDatasetError:
     return WebDatasetError(f"{url}: {what} (member {member}); the shard is corrupt or "
                            "truncated: write or download it again, or pass on_error='skip' "
-                           "to leave its rest out", url, member)
+                           "to leave its rest out", url, member, offset)
 
 
 async def _members(source: Ahead, url: str) -> AsyncGenerator[tuple[int, str, bytes]]:
@@ -276,7 +277,7 @@ async def _members(source: Ahead, url: str) -> AsyncGenerator[tuple[int, str, by
         long_name = None
         if len(data) < padded:
             raise _corrupt(url, name, f"the file ends inside member {name!r} (byte {at}, "
-                           f"{info.size} bytes; the file has {source.size})")
+                           f"{info.size} bytes; the file has {source.size})", at)
         data = data[:info.size]
         if info.type == tarfile.GNUTYPE_LONGNAME:
             long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
@@ -311,7 +312,18 @@ async def _samples(source: Ahead, url: str) -> AsyncGenerator[tuple[dict[str, An
     sample: dict[str, Any] | None = None
     members = _members(source, url)
     try:
-        async for at, name, data in members:
+        while True:
+            try:
+                at, name, data = await members.__anext__()
+            except StopAsyncIteration:
+                break
+            except WebDatasetError as exc:
+                # A member cut short after its header: the sample before it is whole.
+                parts = split_name(exc.member)
+                if sample is not None and exc.offset is not None and parts is not None and (
+                        parts[0] != sample["__key__"]):
+                    yield sample, exc.offset
+                raise
             parts = split_name(name)
             if parts is None:
                 continue
