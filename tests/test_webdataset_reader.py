@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import socket
 import sys
 import tarfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,6 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import aioloader
 from aioloader.readers import WebDatasetError, WebDatasetReader
@@ -169,30 +166,13 @@ def make_loader(folder: Path, workers: int) -> aioloader.DataLoader:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_exact_resume_mid_epoch(shards: Path, workers: int) -> None:
-    with make_loader(shards, workers) as loader:
-        whole = [b["cls"].tolist() for b in loader]
-    with make_loader(shards, workers) as loader:
-        batches = iter(loader)
-        before = [next(batches)["cls"].tolist() for _ in range(5)]
-        state = json.loads(json.dumps(loader.state_dict()))
-    with make_loader(shards, workers) as loader, warnings.catch_warnings():
-        warnings.simplefilter("error", aioloader.ResumeWarning)  # nothing read to skip
-        loader.load_state_dict(state)
-        after = [b["cls"].tolist() for b in loader]
-    if workers:  # batches of several workers arrive in any order; each worker's are exact
-        assert sorted(map(tuple, before + after)) == sorted(map(tuple, whole))
-    else:
-        assert before + after == whole
+    whole, before, after = formats_dist.interrupted(lambda: make_loader(shards, workers), 5,
+                                                    lambda b: b["cls"].tolist())
+    formats_dist.check_resumed(whole, before, after, ordered=workers == 0)
 
 
 def test_resume_on_another_shape_is_refused_with_what_to_do(shards: Path) -> None:
-    with make_loader(shards, 2) as loader:
-        batches = iter(loader)
-        next(batches)
-        state = loader.state_dict()
-    with make_loader(shards, 1) as loader, pytest.raises(aioloader.ResumeError,
-                                                         match="splits itself"):
-        loader.load_state_dict(state)
+    formats_dist.check_reshape_refused(lambda workers: make_loader(shards, workers))
 
 
 def test_s3_url(shards: Path) -> None:
@@ -267,36 +247,10 @@ def test_a_sample_that_does_not_decode(tmp_path: Path) -> None:
         assert [s["cls"] for s in read_all(reader)] == [0, 2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_ranks(kind: str, where: Path, out: Path) -> dict[int, dict[str, Any]]:
-    """2 ranks x 2 workers (formats_dist.rank_main): what each rank saw."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=formats_dist.rank_main,
-                         args=(r, 2, port, str(out), kind, str(where), 3)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
-    return {r: json.loads((out / f"{kind}-rank{r}.json").read_text()) for r in range(2)}
-
-
 @pytest.mark.deadline(240)
 def test_two_ranks_two_workers_once_and_resumed(shards: Path, tmp_path: Path) -> None:
-    got = run_ranks("webdataset", shards, tmp_path)
+    got = formats_dist.run("webdataset", shards, tmp_path)
     flat = [i for r in got.values() for b in r["whole"] for i in b]
     assert sorted(flat) == list(range(N)), "every sample once across 2 ranks x 2 workers"
     for r in got.values():
-        assert sorted(map(tuple, r["before"] + r["after"])) == sorted(map(tuple, r["whole"]))
+        formats_dist.check_resumed(r["whole"], r["before"], r["after"], ordered=False)
