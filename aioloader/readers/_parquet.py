@@ -120,11 +120,13 @@ class ParquetReader(PieceReader):
         columns: the columns to read (None: all).
         storage_options: for the filesystem of remote files (as ``FsspecReader``'s).
         batch_rows: None: one dict per row; n: batches of n rows as tensors and lists.
-        shuffle_row_groups, seed: a seeded row-group order per pass (shuffle rows with the
-            loader's ``shuffle=True`` and ``max_instances_in_memory``).
+        shuffle_row_groups: another row-group order each pass, the same in every process
+            (shuffle rows with the loader's ``shuffle=True`` and ``max_instances_in_memory``).
+        seed: of that order.
         on_error: "raise" (a :class:`ParquetError` naming the file and row group) or
             "skip": a row group that does not read is left out, warned about once and
             counted in ``num_skipped`` (in the process that read it).
+        ahead: row groups read ahead per worker, in threads.
 
     Examples:
         >>> reader = ParquetReader("data/*.parquet", columns=["text", "label"])

@@ -137,11 +137,15 @@ class WebDatasetReader(PieceReader):
             ``sample -> instance`` (picklable for ``start_method="spawn"``). Decoding runs in
             the worker, off its event loop.
         storage_options: for the filesystem of remote shards (as ``FsspecReader``'s).
-        shuffle_shards, seed: a seeded shard order per pass.
+        shuffle_shards: another shard order each pass, the same in every process.
+        seed: of that order.
         on_error: "raise" (a :class:`WebDatasetError` naming the shard and member) or
             "skip": a corrupt or truncated shard's rest, or a sample that does not decode,
             is left out, warned about once and counted in ``num_skipped`` (in the process
             that read it).
+        chunk_size: bytes per ranged read of a shard.
+        ahead: ranged reads in flight per worker (memory: ``ahead x chunk_size``).
+        retries: more attempts per read on transient errors (``aioloader.Retry``'s rules).
 
     Examples:
         >>> reader = WebDatasetReader("data/shard-{000000..000009}.tar", decode=True)
