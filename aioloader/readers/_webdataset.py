@@ -11,6 +11,7 @@ import tarfile
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
+from .._info import get_worker_info
 from .._loads import Retry
 from ._fsspec import _url_list
 from ._pieces import OnError, PieceReader, Position
@@ -135,7 +136,7 @@ class WebDatasetReader(PieceReader):
         urls: shards; None: the loader's ``data_path``.
         decode: None: members stay bytes; True: :func:`decode_member` for each; a function
             ``sample -> instance`` (picklable for ``start_method="spawn"``). Decoding runs in
-            the worker, off its event loop.
+            the worker (with ``num_workers=0``, in a thread: never on the caller's loop).
         storage_options: for the filesystem of remote shards (as ``FsspecReader``'s).
         shuffle_shards: another shard order each pass, the same in every process.
         seed: of that order.
@@ -227,11 +228,12 @@ class WebDatasetReader(PieceReader):
         decode = self.decode
         if decode is None or decode is False:
             return sample
+        fn: Decode = _decode_all if decode is True else decode
         try:
-            if decode is True:
-                return await asyncio.to_thread(_decode_all, sample)
-            assert callable(decode)
-            return await asyncio.to_thread(decode, sample)
+            if get_worker_info() is not None:  # a worker's loop is there to decode on
+                return fn(sample)
+            # In the caller's process: off its event loop, which must never block.
+            return await asyncio.to_thread(fn, sample)
         except Exception as exc:
             raise WebDatasetError(f"{url}: sample {sample['__key__']!r} does not decode "
                                   f"({exc!r}); fix or drop it, or pass on_error='skip'",
