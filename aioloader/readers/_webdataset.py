@@ -196,8 +196,8 @@ class WebDatasetReader(PieceReader):
                 size, fetch, close = await files.open(url)
                 source = Ahead(url, size, fetch, at.offset, chunk=self.chunk_size,
                                ahead=self.ahead, retry=self.retry)
+                samples = _samples(source, url)
                 try:
-                    samples = _samples(source, url)
                     while True:
                         try:
                             got = await samples.__anext__()
@@ -219,9 +219,12 @@ class WebDatasetReader(PieceReader):
                             continue
                         at.offset, at.counted = after, n + 1
                         yield instance
-                finally:
-                    await source.aclose()
-                    close()
+                finally:  # closed here, not by the loop's finalizer (see ByteSource)
+                    try:
+                        await samples.aclose()
+                    finally:
+                        await source.aclose()
+                        close()
                 at.piece, at.offset = at.piece + 1, 0
 
     async def _decoded(self, sample: dict[str, Any], url: str) -> Any:
