@@ -3,8 +3,9 @@
 A format reader walks a file from an offset on (a tar shard from a sample's first header).
 :class:`Ahead` keeps ``ahead`` ranged reads of ``chunk`` bytes in flight, so a remote
 shard streams at the bandwidth and not at one round trip per chunk, in bounded memory
-(``ahead x chunk`` bytes). A failed read is retried when the error is transient (the load
-stage's own :class:`~aioloader.Retry` rules), else raised naming the file.
+(``ahead x chunk`` bytes); the reader opens its next shard the same way while it reads
+one. A failed read is retried when the error is transient (the load stage's own
+:class:`~aioloader.Retry` rules), else raised naming the file.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
         self._fs: Any = None
 
     async def __aenter__(self) -> Files:
+        self._lock = asyncio.Lock()  # two shards may open at once: one filesystem for both
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -45,18 +47,33 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
         await self._stack.aclose()
 
     async def _filesystem(self, url: str) -> Any:
-        if self._fs is None:
-            from ._fsspec import _Filesystem, _protocol_of
+        async with self._lock:
+            if self._fs is None:
+                from ._fsspec import _Filesystem, _protocol_of
 
-            self._fs = await self._stack.enter_async_context(
-                _Filesystem(_protocol_of([url]), self.storage_options))
+                self._fs = await self._stack.enter_async_context(
+                    _Filesystem(_protocol_of([url]), self.storage_options))
         return self._fs
+
+    async def ahead(self, url: str, start: int, *, chunk: int, ahead: int,
+                    retry: Retry) -> Ahead:
+        """``url`` opened at ``start``, its first chunks already requested."""
+        size, fetch, close = await self.open(url)
+        source = Ahead(url, size, fetch, start, chunk=chunk, ahead=ahead, retry=retry,
+                       close=close)
+        source.prime()
+        return source
 
     async def open(self, url: str) -> tuple[int, Fetch, Callable[[], None]]:
         """(size, fetch, close) of ``url``."""
         if not is_remote(url):
             path = url.removeprefix("file://")
-            fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
+            opening = asyncio.ensure_future(asyncio.to_thread(os.open, path, os.O_RDONLY))
+            try:
+                fd = await asyncio.shield(opening)
+            except asyncio.CancelledError:  # the thread opens it anyway: close it then
+                opening.add_done_callback(_close_opened)
+                raise
             size = os.fstat(fd).st_size
 
             async def pread(start: int, end: int) -> bytes:
@@ -81,12 +98,19 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
         return size, cat, lambda: None
 
 
+def _close_opened(opening: asyncio.Future[int]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        os.close(opening.result())
+
+
 class Ahead:
     """The bytes of one file from ``start`` on, read ``ahead`` chunks in advance."""
 
     def __init__(self, url: str, size: int, fetch: Fetch, start: int, *, chunk: int = CHUNK,
-                 ahead: int = AHEAD, retry: Retry | None = None) -> None:
+                 ahead: int = AHEAD, retry: Retry | None = None,
+                 close: Callable[[], None] | None = None) -> None:
         self.url = url
+        self._close = close
         self.size = size
         self.offset = start  # of the next byte read() hands out
         self._fetch = fetch
@@ -108,6 +132,10 @@ class Ahead:
                 if attempt > self._retry.retries or not self._retry.transient(exc):
                     raise
                 await asyncio.sleep(self._retry.delay(attempt))
+
+    def prime(self) -> None:
+        """Request the first chunks now (the reader is still busy with the shard before)."""
+        self._fill()
 
     def _fill(self) -> None:
         while len(self._tasks) < self._ahead and self._requested < self.size:
@@ -137,8 +165,14 @@ class Ahead:
         return data
 
     async def aclose(self) -> None:
+        """Cancel the reads in flight, wait for them, close the file."""
         tasks, self._tasks = list(self._tasks), collections.deque()
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            close, self._close = self._close, None
+            if close is not None:
+                close()

@@ -8,7 +8,14 @@ import json
 import os
 import re
 import tarfile
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+)
 from typing import Any
 
 from .._info import get_worker_info
@@ -129,8 +136,9 @@ class WebDatasetReader(PieceReader):
     :meth:`load_state_dict` makes the next pass seek there, so a resume reads nothing twice.
     It is taken per reader (rank x worker): resume on the same num_workers and world size.
 
-    Remote shards stream through ranged reads, ``ahead`` chunks of ``chunk_size`` bytes in
-    flight (bounded memory), each retried on transient errors (``retries``).
+    Shards stream through ranged reads, ``ahead`` chunks of ``chunk_size`` bytes in flight
+    (bounded memory), each retried on transient errors (``retries``); the next shard is
+    opened, and its first chunks requested, while one is read.
 
     Args:
         urls: shards; None: the loader's ``data_path``.
@@ -190,42 +198,56 @@ class WebDatasetReader(PieceReader):
         skips = self._skips()
         dealt = at.deal
         step, first = dealt.step, dealt.first
+        mine = dealt.mine
+        upcoming: asyncio.Task[Ahead] | None = None  # the next shard, opening meanwhile
         async with Files(self.storage_options) as files:
-            while at.piece < len(dealt.mine):
-                url = urls[dealt.mine[at.piece]]
-                size, fetch, close = await files.open(url)
-                source = Ahead(url, size, fetch, at.offset, chunk=self.chunk_size,
-                               ahead=self.ahead, retry=self.retry)
-                samples = _samples(source, url)
-                try:
-                    while True:
-                        try:
-                            got = await samples.__anext__()
-                        except StopAsyncIteration:
-                            break
-                        except WebDatasetError as exc:
-                            self._skip(skips, url, exc.member, exc)
-                            break  # a tar cannot be resynchronised: the shard's rest goes
-                        sample, after = got
-                        n = at.counted
-                        if step > 1 and (n - first) % step:
-                            at.offset, at.counted = after, n + 1
-                            continue
-                        try:
-                            instance = await self._decoded(sample, url)
-                        except WebDatasetError as exc:
-                            self._skip(skips, url, exc.member, exc)
-                            at.offset, at.counted = after, n + 1
-                            continue
-                        at.offset, at.counted = after, n + 1
-                        yield instance
-                finally:  # closed here, not by the loop's finalizer (see ByteSource)
+
+            def opening(url: str, start: int) -> Awaitable[Ahead]:
+                return files.ahead(url, start, chunk=self.chunk_size, ahead=self.ahead,
+                                   retry=self.retry)
+
+            try:
+                while at.piece < len(mine):
+                    url = urls[mine[at.piece]]
+                    if upcoming is not None:  # opened at 0, where a next shard starts
+                        task, upcoming = upcoming, None
+                        source = await task
+                    else:
+                        source = await opening(url, at.offset)
+                    if at.piece + 1 < len(mine):
+                        upcoming = asyncio.ensure_future(opening(urls[mine[at.piece + 1]], 0))
+                    samples = _samples(source, url)
                     try:
-                        await samples.aclose()
-                    finally:
-                        await source.aclose()
-                        close()
-                at.piece, at.offset = at.piece + 1, 0
+                        while True:
+                            try:
+                                got = await samples.__anext__()
+                            except StopAsyncIteration:
+                                break
+                            except WebDatasetError as exc:
+                                self._skip(skips, url, exc.member, exc)
+                                break  # a tar cannot be resynchronised: its rest goes
+                            sample, after = got
+                            n = at.counted
+                            if step > 1 and (n - first) % step:
+                                at.offset, at.counted = after, n + 1
+                                continue
+                            try:
+                                instance = await self._decoded(sample, url)
+                            except WebDatasetError as exc:
+                                self._skip(skips, url, exc.member, exc)
+                                at.offset, at.counted = after, n + 1
+                                continue
+                            at.offset, at.counted = after, n + 1
+                            yield instance
+                    finally:  # closed here, not by the loop's finalizer (see ByteSource)
+                        try:
+                            await samples.aclose()
+                        finally:
+                            await source.aclose()
+                    at.piece, at.offset = at.piece + 1, 0
+            finally:
+                if upcoming is not None:
+                    await _discard(upcoming)
 
     async def _decoded(self, sample: dict[str, Any], url: str) -> Any:
         decode = self.decode
@@ -241,6 +263,14 @@ class WebDatasetReader(PieceReader):
             raise WebDatasetError(f"{url}: sample {sample['__key__']!r} does not decode "
                                   f"({exc!r}); fix or drop it, or pass on_error='skip'",
                                   url, str(sample["__key__"])) from exc
+
+
+async def _discard(opening: asyncio.Task[Ahead]) -> None:
+    """A next shard that will not be read: stop its opening, or close what it opened."""
+    opening.cancel()
+    done = await asyncio.gather(opening, return_exceptions=True)
+    if isinstance(done[0], Ahead):
+        await done[0].aclose()
 
 
 def _decode_all(sample: dict[str, Any]) -> dict[str, Any]:
