@@ -113,11 +113,16 @@ def test_workers_see_every_row_once(files: Path, workers: int) -> None:
 
 
 def test_fewer_row_groups_than_workers_split_rows(tmp_path: Path) -> None:
-    write_files(tmp_path, files=1, rows=11, group=100)
-    reader = ParquetReader(str(tmp_path / "part-0.parquet"), columns=["i"])
-    with aioloader.DataLoader(reader, batch_size=2, num_workers=3, quiet=True) as loader:
-        seen = [i for b in loader for i in b["i"].tolist()]
-    assert sorted(seen) == list(range(11))
+    write_files(tmp_path, files=2, rows=11, group=100)
+
+    def make() -> aioloader.DataLoader:
+        reader = ParquetReader(str(tmp_path / "*.parquet"), columns=["i"])
+        return aioloader.DataLoader(reader, batch_size=2, num_workers=3,
+                                    max_instances_in_memory=4, quiet=True)
+
+    whole, before, after = formats_dist.interrupted(make, 4, lambda b: b["i"].tolist())
+    assert sorted(i for b in whole for i in b) == list(range(22))
+    formats_dist.check_resumed(whole, before, after, ordered=False)
 
 
 def test_resume_reads_from_the_states_row_group(files: Path,

@@ -109,11 +109,16 @@ def test_workers_see_every_sample_once(shards: Path, workers: int) -> None:
 
 
 def test_fewer_shards_than_workers_split_within_a_shard(tmp_path: Path) -> None:
-    write_shards(tmp_path, shards=1, per_shard=11)
-    reader = WebDatasetReader(str(tmp_path / "shard-000.tar"), decode=True)
-    with aioloader.DataLoader(reader, batch_size=2, num_workers=3, quiet=True) as loader:
-        seen = ids(list(loader))
-    assert sorted(seen) == list(range(11))
+    write_shards(tmp_path, shards=2, per_shard=11)
+
+    def make() -> aioloader.DataLoader:
+        reader = WebDatasetReader(str(tmp_path / "shard-{000..001}.tar"), decode=True)
+        return aioloader.DataLoader(reader, batch_size=2, num_workers=3,
+                                    max_instances_in_memory=4, quiet=True)
+
+    whole, before, after = formats_dist.interrupted(make, 4, lambda b: b["cls"].tolist())
+    assert sorted(i for b in whole for i in b) == list(range(22))
+    formats_dist.check_resumed(whole, before, after, ordered=False)
 
 
 def test_shard_order_is_shuffled_per_pass_and_seeded(shards: Path) -> None:

@@ -227,13 +227,11 @@ class ParquetReader(PieceReader):
                             after = counts[done - 1]
                             at.offset, at.counted = after, base + after
                             yield batch
-                if not held:
-                    at.counted = base + piece.rows
-                    at.piece, at.offset = at.piece + 1, 0
-                else:  # a batch continues in the next piece: the position stays before it
-                    at.piece += 1
-                    at.counted = base + piece.rows
-                    at.offset = 0
+                # On to the next piece. Rows still held (a batch that continues there) are
+                # read again by a resume: a position is only ever seen at a yield, which is
+                # after a whole batch.
+                at.counted = base + piece.rows
+                at.piece, at.offset = at.piece + 1, 0
             if held:
                 yield to_tensors(pa.concat_tables(held))
         finally:
