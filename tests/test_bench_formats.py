@@ -13,10 +13,12 @@ pytest.importorskip("PIL")
 pytestmark = pytest.mark.deadline(120)
 
 
-@pytest.mark.parametrize("kind", ["wds raw", "wds jpeg", "parquet rows", "parquet batches"])
+@pytest.mark.parametrize("kind", ["wds raw", "wds jpeg", "wds http", "parquet rows",
+                                  "parquet batches"])
 def test_each_aioloader_run_reads_the_whole_data(tmp_path: Path, kind: str) -> None:
     data = _formats.write_data(str(tmp_path), quick=True)
-    result = _formats._aioloader(kind, data, 1)
+    with _formats.served_shards(str(tmp_path), data["shards"]) as url:
+        result = _formats._aioloader(kind, {**data, "http": url}, 1)
     expected = data["samples"] if kind.startswith("wds") else data["rows"]
     assert result["samples"] == expected
     assert result["per_s"] > 0 and result["mem_mb"] >= 0

@@ -19,7 +19,7 @@ import torch
 import aioloader
 from aioloader.readers import WebDatasetError, WebDatasetReader
 from aioloader.readers import _ranges as ranges_module
-from aioloader.testing import s3_server
+from aioloader.testing import object_server, s3_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 import formats_dist
@@ -193,6 +193,20 @@ def test_s3_url(shards: Path) -> None:
         assert read_all(WebDatasetReader("s3://wds/train/shard-002.tar",
                                          storage_options=s3.storage_options))[0][
             "__url__"] == "s3://wds/train/shard-002.tar"
+
+
+def test_http_url_reads_in_ranges(shards: Path) -> None:
+    objects = {f"shard-{s:03d}.tar": (shards / f"shard-{s:03d}.tar").read_bytes()
+               for s in range(SHARDS)}
+    with object_server(objects, latency=0.01) as server:
+        reader = WebDatasetReader(f"{server.url}/o/shard-{{000..005}}.tar", chunk_size=8192,
+                                  ahead=3)
+        with aioloader.DataLoader(reader, batch_size=4, num_workers=2, quiet=True) as loader:
+            seen = [int(i) for b in loader for i in b["cls"]]
+        counts = server.requests()
+    assert sorted(seen) == list(range(N))
+    # a HEAD for its size, then one GET per 8 KiB: each shard streamed in ranges
+    assert all(counts[name] == 1 + -(-len(data) // 8192) for name, data in objects.items())
 
 
 def _damaged(tmp_path: Path, how: str) -> tuple[Path, str]:

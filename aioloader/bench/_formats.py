@@ -11,6 +11,9 @@ its workers, anonymous pages summed, the arena counted once).
   ``WebDataset(...).batched(64)``, both with ``num_workers`` workers.
 * ``wds jpeg``: the same, decoded to uint8 CHW tensors (``decode=True`` /
   ``.decode("torchrgb8")``).
+* ``wds http``: the raw shards from a local HTTP object server that answers every request
+  after ``LATENCY`` seconds (``aioloader.testing.object_server``): aioloader's ranged reads
+  (the next shard opened while one is read) against webdataset's ``curl`` per shard.
 * ``parquet rows``: 40k rows (an id, a label, 16 floats, a short text) in 4 files of row
   groups of 2500 rows, in batches of 256: aioloader's ``ParquetReader`` (rows) and its
   ``batch_rows`` path, against Hugging Face ``datasets`` on the same files, streaming
@@ -22,6 +25,7 @@ Peers that are not installed are left out, with a note.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import os
@@ -30,7 +34,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ._footprint import Footprint
@@ -44,6 +48,7 @@ QUICK_SHARDS, QUICK_PER_SHARD = 4, 100
 FILES, ROWS, ROW_GROUP = 4, 10_000, 2_500
 QUICK_ROWS = 2_500
 WDS_BATCH, ROW_BATCH = 64, 256
+LATENCY = 0.020  # seconds, per request of the wds http workload
 
 
 def write_data(folder: str, quick: bool) -> Result:
@@ -71,9 +76,23 @@ def write_data(folder: str, quick: bool) -> Result:
                                  "vec": vec,
                                  "text": [f"document number {i} of the corpus" for i in ids]}),
                        os.path.join(folder, f"part-{f}.parquet"), row_group_size=ROW_GROUP)
-    return {"samples": shards * per_shard, "rows": rows * FILES,
+    return {"samples": shards * per_shard, "rows": rows * FILES, "shards": shards,
             "urls": os.path.join(folder, f"shard-{{000000..{shards - 1:06d}}}.tar"),
             "files": [os.path.join(folder, f"part-{f}.parquet") for f in range(FILES)]}
+
+
+@contextlib.contextmanager
+def served_shards(folder: str, shards: int) -> Iterator[str]:
+    """The shards on a local HTTP object server with ``LATENCY``: their brace pattern."""
+    from aioloader.testing import object_server
+
+    names = [f"shard-{s:06d}.tar" for s in range(shards)]
+    objects = {}
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as f:
+            objects[name] = f.read()
+    with object_server(objects, latency=LATENCY) as server:
+        yield f"{server.url}/o/shard-{{000000..{shards - 1:06d}}}.tar"  # unquoted braces
 
 
 def _size(batch: Any) -> int:
@@ -105,7 +124,8 @@ def _aioloader(kind: str, data: Result, workers: int) -> Result:
     from aioloader.readers import ParquetReader, WebDatasetReader, prebatched
 
     if kind.startswith("wds"):
-        reader: Any = WebDatasetReader(data["urls"], decode=kind == "wds jpeg" or None)
+        reader: Any = WebDatasetReader(data["http"] if kind == "wds http" else data["urls"],
+                                       decode=kind == "wds jpeg" or None)
         loader = aioloader.DataLoader(reader, batch_size=WDS_BATCH, num_workers=workers,
                                       max_instances_in_memory=WDS_BATCH * 8, quiet=True)
     elif kind == "parquet batches":
@@ -124,7 +144,8 @@ def _aioloader(kind: str, data: Result, workers: int) -> Result:
 def _webdataset(kind: str, data: Result, workers: int) -> Result:
     import webdataset
 
-    pipeline = webdataset.WebDataset(data["urls"], shardshuffle=False,
+    pipeline = webdataset.WebDataset(data["http"] if kind == "wds http" else data["urls"],
+                                     shardshuffle=False,
                                      nodesplitter=webdataset.split_by_node)
     if kind == "wds jpeg":
         pipeline = pipeline.decode("torchrgb8").to_tuple("jpg", "cls")
@@ -152,7 +173,7 @@ def configurations(quick: bool) -> list[tuple[str, str, Callable[..., Result]]]:
     out: list[tuple[str, str, Callable[..., Result]]] = []
     have_wds = importlib.util.find_spec("webdataset") is not None
     have_hf = importlib.util.find_spec("datasets") is not None
-    for kind in ("wds raw", "wds jpeg"):
+    for kind in ("wds raw", "wds jpeg", "wds http"):
         out.append(("aioloader", kind, _aioloader))
         if have_wds:
             out.append(("webdataset WebLoader", kind, _webdataset))
@@ -175,8 +196,10 @@ def run_formats(workers: int, pairs: int, quick: bool, timeout: float,
         raise MeasurementError("the formats workload needs pyarrow: pip install "
                                "'aioloader[parquet]'")
     runs: dict[str, list[Result]] = {}
-    with tempfile.TemporaryDirectory(prefix="aioloader-formats-") as folder:
+    with contextlib.ExitStack() as stack:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="aioloader-formats-"))
         data = write_data(folder, quick)
+        data["http"] = stack.enter_context(served_shards(folder, data["shards"]))
         cache = os.path.join(folder, "hf-cache")
         configs = configurations(quick)
         if any(kind == "hf mmap" for _, kind, _fn in configs):
