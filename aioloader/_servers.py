@@ -195,7 +195,8 @@ def object_server(objects: Mapping[str, bytes] | None = None, *, count: int = 0,
     ``latency`` seconds (``asyncio.sleep``: requests overlap). ``faults`` maps a name to what
     its successive requests get, one step each, then success: ``"503"`` (any HTTP status),
     ``"reset"`` (the connection is reset), ``"truncate"`` (half the body, then the connection
-    closes), ``"delay:2.0"`` (2 s more latency, then the object), ``"ok"``.
+    closes), ``"delay:2.0"`` (2 s more latency, then the object), ``"ok"``. A ``Range``
+    header gets those bytes (206), as object stores answer ranged reads.
 
     Examples:
         >>> with object_server(count=10, faults={"000003.bin": ["503"]}) as server:
@@ -367,6 +368,13 @@ async def _objects_main(config: dict[str, Any]) -> None:
             return _reset(request)
         if step == "truncate":
             return await _truncate(request, body)
+        wanted = request.http_range  # a Range header: the bytes asked for (206)
+        if wanted.start is not None or wanted.stop is not None:
+            first = wanted.start or 0
+            part = body[wanted]
+            return web.Response(status=206, body=part, content_type="application/octet-stream",
+                                headers={"Content-Range": f"bytes {first}-"
+                                         f"{first + len(part) - 1}/{len(body)}"})
         return web.Response(body=body, content_type="application/octet-stream")
 
     async def stats(request: web.Request) -> web.Response:

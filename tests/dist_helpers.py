@@ -4,12 +4,43 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
 import aioloader
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(target: Callable[..., None], world: int, *args: Any,
+              timeout: float = 240) -> None:
+    """``target(rank, world, port, *args)`` in ``world`` spawned processes (gloo ranks);
+    an AssertionError when one fails, none left running."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0] * world, "a rank failed"
 
 
 class Numbers(aioloader.Reader):

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_helpers
@@ -17,30 +15,10 @@ N = 40
 CASES = ["reader_cached", "reader_lazy", "map_style", "map_style_shuffled", "iterable"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, dict]]:
     out = tmp_path_factory.mktemp("ranks")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=dist_helpers.rank_main, args=(r, 2, port, str(out), N))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(240)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed"
+    dist_helpers.run_ranks(dist_helpers.rank_main, 2, str(out), N)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
 
 

@@ -1,4 +1,4 @@
-"""The code in README.md and docs/guide.md runs as written.
+"""The code in README.md and the docs pages runs as written.
 
 Each ```python block runs in a fresh interpreter, in a temporary directory of its own. A block
 preceded by ``<!-- no-test -->`` is skipped: only for what truly cannot run here (a GPU).
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = ["README.md", "docs/guide.md", "docs/resume.md", "docs/loads.md", "docs/migrating.md",
-             "docs/beyond.md"]
+             "docs/beyond.md", "docs/webdataset.md", "docs/parquet.md"]
 TIMEOUT = 120
 BLOCK = re.compile(r"(?P<marker><!-- no-test -->\s*\n)?```python\n(?P<code>.*?)\n```", re.S)
 

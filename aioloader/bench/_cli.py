@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._options import validate_worker_nice
-from . import _peers, _remote, _resume
+from . import _formats, _peers, _remote, _resume
+from ._formats import FORMATS
 from ._measure import Result, Spec
 from ._remote import REMOTE
 from ._report import (
@@ -37,8 +38,9 @@ from ._runner import (
 from ._workloads import ALL, FIRST, LAG, WORKLOADS, pillow_missing
 
 DEFAULT_WORKLOADS = ALL
-CHOICES = (*ALL, FIRST, RESUME, REMOTE)  # these measure something else: only when asked for
-SPECIAL = (RESUME, REMOTE)
+# these measure something else: only when asked for
+CHOICES = (*ALL, FIRST, RESUME, REMOTE, FORMATS)
+SPECIAL = (RESUME, REMOTE, FORMATS)
 
 
 def _workloads(text: str) -> tuple[str, ...]:
@@ -91,7 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{RESUME!r} times load_state_dict() to the first batch against "
                         "torchdata's StatefulDataLoader (--resume-* options); "
                         f"{REMOTE!r} fetches objects from a local HTTP server with 20 ms "
-                        "latency: aioloader's load stage against torch and SPDL (--concurrency)")
+                        "latency: aioloader's load stage against torch and SPDL (--concurrency); "
+                        f"{FORMATS!r} reads WebDataset shards and Parquet files against "
+                        "webdataset's WebLoader and Hugging Face datasets")
     parser.add_argument("--num-workers", type=_at_least(0), default=2,
                         help="worker processes on both sides (default 2; 0 = in-process)")
     parser.add_argument("--start-method", choices=("fork", "spawn", "forkserver"),
@@ -259,6 +263,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if REMOTE in args.workloads:
         raw[REMOTE], remote_failed = _remote.run_cli(args, pairs)
         failed |= remote_failed
+    if FORMATS in args.workloads:
+        raw[FORMATS], formats_failed = _formats.run_cli(args, pairs)
+        failed |= formats_failed
     elapsed = time.monotonic() - started
     print(f"\n{len(rows)} rows in {elapsed:.1f} s" if throughput else f"\ndone in {elapsed:.1f} s")
     if args.json is not None:

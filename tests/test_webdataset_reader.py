@@ -1,0 +1,275 @@
+"""WebDatasetReader (issue 35): shards written by the webdataset library, read as it groups
+them; sharding across workers and ranks, exact resume by offset, a local S3, bad shards."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+import aioloader
+from aioloader.readers import WebDatasetError, WebDatasetReader
+from aioloader.readers import _ranges as ranges_module
+from aioloader.testing import object_server, s3_server
+
+sys.path.insert(0, str(Path(__file__).parent))
+import formats_dist
+
+webdataset = pytest.importorskip("webdataset")
+pytestmark = pytest.mark.deadline(90)
+
+SHARDS, PER_SHARD = 6, 7
+N = SHARDS * PER_SHARD
+
+
+def png(value: int) -> bytes:
+    buf = io.BytesIO()
+    PIL.Image.fromarray(np.full((4, 5, 3), value % 256, dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def write_shards(folder: Path, shards: int = SHARDS, per_shard: int = PER_SHARD) -> list[str]:
+    """Shards written by webdataset's TarWriter: sample ``i`` holds its id in ``cls``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for s in range(shards):
+        name = str(folder / f"shard-{s:03d}.tar")
+        with webdataset.TarWriter(name) as sink:
+            for k in range(per_shard):
+                i = s * per_shard + k
+                sink.write({"__key__": f"dir/s{s}_{k:03d}", "png": png(i), "cls": i,
+                            "json": {"i": i, "text": "x" * i}, "bin": bytes([i]) * (i * 37)})
+        names.append(name)
+    return names
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("wds")
+    write_shards(folder)
+    return folder
+
+
+def pattern(folder: Path) -> str:
+    return str(folder / "shard-{000..005}.tar")
+
+
+def read_all(reader: WebDatasetReader, data_path: Any = None) -> list[dict[str, Any]]:
+    async def collect() -> list[dict[str, Any]]:
+        return [s async for s in reader.read(data_path)]
+
+    return asyncio.run(collect())
+
+
+def ids(batches: list[Any]) -> list[int]:
+    return [int(i) for b in batches for i in b["cls"].tolist()]
+
+
+def test_samples_are_what_the_webdataset_library_reads(shards: Path) -> None:
+    ours = read_all(WebDatasetReader(pattern(shards)))
+    theirs = list(webdataset.WebDataset(pattern(shards), shardshuffle=False))
+    assert [s["__key__"] for s in ours] == [s["__key__"] for s in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        assert {k: v for k, v in a.items() if k != "__url__"} == {
+            k: v for k, v in b.items() if k != "__url__" and not k.startswith("__local")}
+        assert a["__url__"] == b["__url__"]
+
+
+def test_decode_gives_chw_uint8_images_and_values(shards: Path) -> None:
+    sample = read_all(WebDatasetReader(pattern(shards), decode=True))[9]
+    assert sample["png"].dtype == torch.uint8 and sample["png"].shape == (3, 4, 5)
+    assert int(sample["png"][0, 0, 0]) == 9
+    assert sample["cls"] == 9 and sample["json"] == {"i": 9, "text": "x" * 9}
+    assert sample["bin"] == bytes([9]) * 9 * 37 and sample["__key__"] == "dir/s1_002"
+
+
+def test_brace_patterns_expand_with_padding() -> None:
+    assert WebDatasetReader("s-{000008..000010}.tar").urls == [
+        "s-000008.tar", "s-000009.tar", "s-000010.tar"]
+    with pytest.raises(ValueError, match="at least one"):
+        WebDatasetReader([])
+
+
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_workers_see_every_sample_once(shards: Path, workers: int) -> None:
+    reader = WebDatasetReader(pattern(shards), decode=True)
+    with aioloader.DataLoader(reader, batch_size=4, num_workers=workers,
+                              max_instances_in_memory=8, quiet=True) as loader:
+        seen = ids(list(loader))
+    assert sorted(seen) == list(range(N))
+
+
+def test_fewer_shards_than_workers_split_within_a_shard(tmp_path: Path) -> None:
+    write_shards(tmp_path, shards=2, per_shard=11)
+
+    def make() -> aioloader.DataLoader:
+        reader = WebDatasetReader(str(tmp_path / "shard-{000..001}.tar"), decode=True)
+        return aioloader.DataLoader(reader, batch_size=2, num_workers=3,
+                                    max_instances_in_memory=4, quiet=True)
+
+    whole, before, after = formats_dist.interrupted(make, 4, lambda b: b["cls"].tolist())
+    assert sorted(i for b in whole for i in b) == list(range(22))
+    formats_dist.check_resumed(whole, before, after, ordered=False)
+
+
+def test_shard_order_is_shuffled_per_pass_and_seeded(shards: Path) -> None:
+    def order(seed: int) -> list[list[str]]:
+        reader = WebDatasetReader(pattern(shards), shuffle_shards=True, seed=seed)
+        return [[s["__key__"] for s in read_all(reader)] for _ in range(2)]
+
+    first, again = order(3), order(3)
+    assert first == again, "the same seed gives the same orders"
+    assert first[0] != first[1], "another order each pass"
+    assert sorted(first[0]) == sorted(first[1])
+
+
+def test_resume_seeks_to_the_sample_after_the_state(shards: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = read_all(WebDatasetReader(pattern(shards)))
+    reader = WebDatasetReader(pattern(shards))
+
+    async def first_ten() -> dict[str, Any]:
+        stream = reader.read(None)
+        for _ in range(10):
+            await stream.__anext__()
+        state = reader.state_dict()
+        await stream.aclose()  # type: ignore[attr-defined]
+        return state
+
+    state = json.loads(json.dumps(asyncio.run(first_ten())))
+    assert (state["piece"], state["counted"]) == (1, 10) and state["offset"] > 0
+    opened: list[tuple[str, int]] = []
+    real = ranges_module.Ahead.__init__
+
+    def spy(self: Any, url: str, size: int, fetch: Any, start: int, **kw: Any) -> None:
+        opened.append((url, start))
+        real(self, url, size, fetch, start, **kw)
+
+    monkeypatch.setattr(ranges_module.Ahead, "__init__", spy)
+    resumed = WebDatasetReader(pattern(shards))
+    resumed.load_state_dict(state)
+    rest = read_all(resumed)
+    assert [s["__key__"] for s in rest] == [s["__key__"] for s in whole[10:]]
+    assert opened[0] == (str(shards / "shard-001.tar"), state["offset"]), \
+        "resume opens the state's shard at its offset; the shard before it is not read"
+
+
+def make_loader(folder: Path, workers: int) -> aioloader.DataLoader:
+    reader = WebDatasetReader(pattern(folder), decode=True, shuffle_shards=True, seed=2)
+    return aioloader.DataLoader(reader, batch_size=3, shuffle=True, seed=4,
+                                num_workers=workers, max_instances_in_memory=6, quiet=True)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exact_resume_mid_epoch(shards: Path, workers: int) -> None:
+    whole, before, after = formats_dist.interrupted(lambda: make_loader(shards, workers), 5,
+                                                    lambda b: b["cls"].tolist())
+    formats_dist.check_resumed(whole, before, after, ordered=workers == 0)
+
+
+def test_resume_on_another_shape_is_refused_with_what_to_do(shards: Path) -> None:
+    formats_dist.check_reshape_refused(lambda workers: make_loader(shards, workers))
+
+
+def test_s3_url(shards: Path) -> None:
+    with s3_server() as s3:
+        s3.make_bucket("wds", {f"train/shard-{s:03d}.tar": (shards / f"shard-{s:03d}.tar")
+                               .read_bytes() for s in range(SHARDS)})
+        reader = WebDatasetReader("s3://wds/train/shard-{000..005}.tar", decode=True,
+                                  storage_options=s3.storage_options, chunk_size=4096)
+        with aioloader.DataLoader(reader, batch_size=4, num_workers=2,
+                                  max_instances_in_memory=8, quiet=True) as loader:
+            seen = ids(list(loader))
+        assert sorted(seen) == list(range(N))
+        assert read_all(WebDatasetReader("s3://wds/train/shard-002.tar",
+                                         storage_options=s3.storage_options))[0][
+            "__url__"] == "s3://wds/train/shard-002.tar"
+
+
+def test_http_url_reads_in_ranges(shards: Path) -> None:
+    objects = {f"shard-{s:03d}.tar": (shards / f"shard-{s:03d}.tar").read_bytes()
+               for s in range(SHARDS)}
+    with object_server(objects, latency=0.01) as server:
+        reader = WebDatasetReader(f"{server.url}/o/shard-{{000..005}}.tar", chunk_size=8192,
+                                  ahead=3)
+        with aioloader.DataLoader(reader, batch_size=4, num_workers=2, quiet=True) as loader:
+            seen = [int(i) for b in loader for i in b["cls"]]
+        counts = server.requests()
+    assert sorted(seen) == list(range(N))
+    # a HEAD for its size, then one GET per 8 KiB: each shard streamed in ranges
+    assert all(counts[name] == 1 + -(-len(data) // 8192) for name, data in objects.items())
+
+
+def _damaged(tmp_path: Path, how: str) -> tuple[Path, str]:
+    """A copy of 2 shards, the second damaged: (folder, the member named in the error)."""
+    write_shards(tmp_path, shards=2, per_shard=5)
+    bad = tmp_path / "shard-001.tar"
+    data = bad.read_bytes()
+    with tarfile.open(bad) as tar:
+        members = tar.getmembers()
+    third = members[8]  # dir/s1_002's third member (4 members a sample, sorted by name)
+    if how == "truncated":
+        bad.write_bytes(data[:third.offset_data + 10])
+        return tmp_path, third.name
+    if how == "header":
+        broken = bytearray(data)
+        broken[third.offset:third.offset + 100] = b"\xff" * 100
+        bad.write_bytes(bytes(broken))
+        return tmp_path, members[7].name  # the last good member before it
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "header"])
+def test_a_damaged_shard_names_the_shard_and_member(tmp_path: Path, how: str) -> None:
+    folder, member = _damaged(tmp_path, how)
+    reader = WebDatasetReader(str(folder / "shard-{000..001}.tar"))
+    with aioloader.DataLoader(reader, batch_size=2, num_workers=1, timeout=30,
+                              quiet=True) as loader, pytest.raises(aioloader.WorkerError) as got:
+        list(loader)
+    message = str(got.value)
+    assert "shard-001.tar" in message and member in message
+    assert "on_error='skip'" in message
+
+
+@pytest.mark.parametrize(("how", "last"), [("truncated", 6), ("header", 5)])
+def test_skip_leaves_out_the_rest_of_a_damaged_shard(tmp_path: Path, how: str,
+                                                     last: int) -> None:
+    # Cut inside a member: the sample before it is whole. A broken header: the sample in
+    # progress may have had more members, so it goes with the rest.
+    folder, _ = _damaged(tmp_path, how)
+    reader = WebDatasetReader(str(folder / "shard-{000..001}.tar"), on_error="skip")
+    with pytest.warns(UserWarning, match="skipping"):
+        samples = read_all(reader)
+    assert [int(s["cls"]) for s in samples] == list(range(last + 1))
+    assert reader.num_skipped == 1 and "shard-001.tar" in reader.skipped[0][0]
+
+
+def test_a_sample_that_does_not_decode(tmp_path: Path) -> None:
+    name = str(tmp_path / "bad.tar")
+    with webdataset.TarWriter(name) as sink:
+        sink.write({"__key__": "a", "png": png(1), "cls": 0})
+        sink.write({"__key__": "b", "png": b"not a png", "cls": 1})
+        sink.write({"__key__": "c", "png": png(2), "cls": 2})
+    with pytest.raises(WebDatasetError, match=r"bad\.tar: sample 'b' does not decode"):
+        read_all(WebDatasetReader(name, decode=True))
+    reader = WebDatasetReader(name, decode=True, on_error="skip")
+    with pytest.warns(UserWarning, match="skipping b"):
+        assert [s["cls"] for s in read_all(reader)] == [0, 2]
+
+
+@pytest.mark.deadline(240)
+def test_two_ranks_two_workers_once_and_resumed(shards: Path, tmp_path: Path) -> None:
+    got = formats_dist.run("webdataset", shards, tmp_path)
+    flat = [i for r in got.values() for b in r["whole"] for i in b]
+    assert sorted(flat) == list(range(N)), "every sample once across 2 ranks x 2 workers"
+    for r in got.values():
+        formats_dist.check_resumed(r["whole"], r["before"], r["after"], ordered=False)
