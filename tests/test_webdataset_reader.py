@@ -207,7 +207,8 @@ def test_http_url_reads_in_ranges(shards: Path) -> None:
     assert sorted(seen) == list(range(N))
     # a HEAD for its size, then one GET per 8 KiB: each shard streamed in ranges (a range
     # retried after a timeout on a loaded machine adds one: at least, never fewer)
-    assert all(counts[name] >= 1 + -(-len(data) // 8192) for name, data in objects.items())
+    assert all(counts[name] >= 1 + -(-len(data) // 8192) for name, data in objects.items()), (
+        counts, {name: len(data) for name, data in objects.items()})
 
 
 def _damaged(tmp_path: Path, how: str) -> tuple[Path, str]:
