@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from ._codec import tensors_nbytes
 from ._collate import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
+from ._errors import BatchFailure
 from ._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad, ops_on_this_thread
 from ._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
 from ._placement import Placement, place
@@ -200,7 +201,10 @@ class LocalIndex(_InProcess):
         self._ended: PassDone | None = None
 
     def _fetch(self, indices: list[int]) -> Any:
-        return self.collate(self.pipe.fetch(indices, self.touch), indices)
+        try:
+            return self.collate(self.pipe.fetch(indices, self.touch), indices)
+        except Exception as exc:  # noqa: BLE001 - that batch's error: the epoch goes on
+            raise BatchFailure(-1, exc) from None
 
     async def next(self) -> Delivered | PassDone:
         if self.pipe.loads is not None:

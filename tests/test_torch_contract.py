@@ -319,7 +319,7 @@ def _skipping_errors(it: Any) -> list[Any]:
             got.append(f"KeyError: {'bad sample 3' in str(err) or 'bad sample 7' in str(err)}")
 
 
-@pytest.mark.parametrize("num_workers", [2])
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_an_error_leaves_the_iterator_usable_as_torchs(num_workers: int) -> None:
     outcomes = []
     for loader_type in LOADERS:
@@ -331,8 +331,9 @@ def test_an_error_leaves_the_iterator_usable_as_torchs(num_workers: int) -> None
         [0, 1], "KeyError: True", [4, 5], "KeyError: True", [8, 9]]
 
 
-async def test_an_error_leaves_async_for_usable() -> None:
-    loader = aioloader.DataLoader(BadSamples(), batch_size=2, num_workers=2)
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_an_error_leaves_async_for_usable(num_workers: int) -> None:
+    loader = aioloader.DataLoader(BadSamples(), batch_size=2, num_workers=num_workers)
     it = aiter(loader)
     got: list[Any] = []
     while True:

@@ -126,8 +126,9 @@ def _aioloader(kind: str, data: Result, workers: int) -> Result:
     if kind.startswith("wds"):
         reader: Any = WebDatasetReader(data["http"] if kind == "wds http" else data["urls"],
                                        decode=kind == "wds jpeg" or None)
-        loader: aioloader.DataLoader[Any] = aioloader.DataLoader(reader, batch_size=WDS_BATCH, num_workers=workers,
-                                      max_instances_in_memory=WDS_BATCH * 8, quiet=True)
+        loader: aioloader.DataLoader[Any] = aioloader.DataLoader(
+            reader, batch_size=WDS_BATCH, num_workers=workers,
+            max_instances_in_memory=WDS_BATCH * 8, quiet=True)
     elif kind == "parquet batches":
         reader = ParquetReader(data["files"], batch_rows=ROW_BATCH)
         loader = aioloader.DataLoader(reader, batch_size=1, collate_fn=prebatched,
