@@ -48,6 +48,7 @@ class Setup:
     budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
     skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
     standby: StandbyPool | None = None  # spawn: warm processes for the first workers (issue 13)
+    pads: dict[int, int] = field(default_factory=dict)  # repeats planned, by pass
 
     @functools.cached_property
     def plan_spec(self) -> PlanSpec:
@@ -165,10 +166,14 @@ class Setup:
             return lambda pass_no: plan_epoch(spec, data, pass_no, shared=False)
 
         target: list[int] = []  # agreed once per cache, by the first plan of the session
+        own = count_batches(spec, data, shared=False)
+        pads = self.pads
 
         def agreed(pass_no: int) -> Sequence[list[int]]:  # in a thread, never from len()
             if not target:
-                target.append(all_reduce(topo, count_batches(spec, data, shared=False), "max"))
+                target.append(all_reduce(topo, own, "max"))
+            if own:  # the repeats of the plan's first batches (counted at the pass's end)
+                pads[pass_no] = target[0] - own
             return plan_epoch(spec, data, pass_no, shared=False, target_batches=target[0])
 
         return agreed
