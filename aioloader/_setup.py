@@ -147,8 +147,9 @@ class Setup:
                 positions.append(replace(position, frontier=None) if pending else None)
                 seeds.append(worker_seed(spec, pass_no, w))
         level = Level(first.world_size * per_rank, tuple(positions), tuple(seeds))
-        frontier = Frontier((*(earlier.levels if earlier else ()), level))
-        frontier.delivered(self.config.batching.options)  # what cannot be replayed: here
+        options = self.config.batching.options
+        frontier = (earlier or Frontier(())).extended(level, options)
+        frontier.delivered(options)  # what cannot be replayed: here
         start = frontier.restart() or PASS_START  # (no shard left: every instance is skipped)
         return StreamPosition(
             tuple(ShardPosition(pass_no, start, frontier=frontier)
