@@ -473,7 +473,11 @@ class Run:
         self._resume = point
         self.phase = Phase.IDLE  # the state says where the next epoch starts: nothing owed
         self._next_pass = point.pass_no
+        # (a state taken before the next session starts is this one: a stream's position
+        # with it, or a stream resumed on a new shape would start its pass again)
+        stream = point.stream
         self._cursor = Cursor(point.pass_no, point.in_pass, point.in_epoch,
+                              stream=(lambda: stream) if stream is not None else None,
                               carried=point.in_epoch, history=point.history)
         if point.stream is not None and not is_stateful(c.source) and c.loads is None:
             skipped = sum(p.start.raw for p in point.stream.shards)
