@@ -37,6 +37,7 @@ from ._phases import RestartBudget
 from ._portal import Portal
 from ._position import is_stateful
 from ._producers import CachedInstances
+from ._reshape import cache_size
 from ._session import GRACE, Delivered, PassDone, Session, Step
 from ._setup import Setup
 from ._sources import Kind
@@ -504,7 +505,16 @@ class Run:
             world_size=topo.world_size, shards=self.config.shape_shards)
 
     def _cached_count(self) -> int | None:
-        return len(self.cache) if self.cache is not None and self.config.cached else None
+        if not self.config.cached:
+            return None
+        if self.cache is not None:
+            return len(self.cache)
+        # A state taken after load_state_dict(), before the cache is read again: the
+        # count the resume point says (a new rank's share, on a new shape)
+        point, topo = self._resume, self.config.topo
+        return None if point is None else cache_size(point.instances, point.history,
+                                                     topo.rank, topo.world_size,
+                                                     self.config.shards)
 
     def stats(self) -> LoaderStats:
         session = self._session

@@ -22,7 +22,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-def _serve(conn: Connection) -> None:
+def _serve(conn: Connection, deadline: float) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
     while True:
@@ -31,6 +33,7 @@ def _serve(conn: Connection) -> None:
             return
         world, rank, store, target, args = job
         module, name = target.split(":")
+        faulthandler.dump_traceback_later(deadline - 20, exit=True)  # a hung job says where
         try:
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                     world_size=world)
@@ -41,29 +44,42 @@ def _serve(conn: Connection) -> None:
             conn.send(("ok", result))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             conn.send(("error", f"{exc!r}\n{traceback.format_exc()[-3000:]}"))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 class RankServers:
     """``size`` spawned rank processes (see the module docstring); a context manager."""
 
     def __init__(self, size: int, deadline: float = 120.0) -> None:
-        ctx = mp.get_context("spawn")
-        self.deadline = deadline
+        self.size, self.deadline = size, deadline
         self._dir = tempfile.TemporaryDirectory()
         self._conns: list[Connection] = []
-        self._procs = []
-        for _ in range(size):
+        self._procs: list[Any] = []
+        self._jobs = 0
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for _ in range(self.size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child,))
+            proc = ctx.Process(target=_serve, args=(child, self.deadline))
             proc.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._jobs = 0
 
     def run(self, world: int, target: str, *args: Any) -> list[Any]:
         """``target(rank, world, *args)`` on ranks 0..world-1; the results by rank. A job
         that raises on a rank fails the caller with that rank's traceback."""
+        try:
+            return self._run(world, target, args)
+        except BaseException:
+            self._stop(grace=0.0)  # ranks may hang in a collective, or hold answers not read:
+            self._start()  # the next job gets fresh ones
+            raise
+
+    def _run(self, world: int, target: str, args: tuple[Any, ...]) -> list[Any]:
         self._jobs += 1
         store = os.path.join(self._dir.name, f"store-{self._jobs}")
         conns = self._conns[:world]
@@ -76,29 +92,33 @@ class RankServers:
                 raise TimeoutError(f"{target} on {world} rank(s): no answer from ranks "
                                    f"{sorted(set(range(world)) - set(results))} within "
                                    f"{self.deadline:.0f} s")
-            for conn in ready:
-                assert isinstance(conn, Connection)
-                status, value = conn.recv()
-                rank = conns.index(conn)
+            for answered in ready:
+                assert isinstance(answered, Connection)
+                status, value = answered.recv()
+                rank = conns.index(answered)
                 if status != "ok":
                     raise AssertionError(f"{target} on rank {rank} of {world}: {value}")
                 results[rank] = value
         return [results[r] for r in range(world)]
 
     def close(self) -> None:
+        self._stop()
+        self._dir.cleanup()
+
+    def _stop(self, grace: float = 10.0) -> None:
         for conn in self._conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
         for proc in self._procs:
-            proc.join(10)
+            proc.join(grace)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         for conn in self._conns:
             conn.close()
-        self._dir.cleanup()
+        self._conns, self._procs = [], []
 
     def __enter__(self) -> RankServers:
         return self

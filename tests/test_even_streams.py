@@ -34,7 +34,7 @@ def ranks() -> Iterator[RankServers]:
 
 def real(result: dict[str, Any]) -> list[list[int]]:
     """A rank's batches but its repeats (its last ``padded`` batches)."""
-    batches = result["batches"]
+    batches: list[list[int]] = result["batches"]
     return batches[: len(batches) - result["padded"]]
 
 
