@@ -15,7 +15,7 @@ Across the chain:
 * without ``even_batches`` (no padding asked for), exactly once, or at most once with
   ``drop_last``.
 
-The ranks are :class:`rank_servers.RankServers`: spawned once for the module, every shape a
+The ranks are :class:`rank_servers.RankServers`: spawned once per source kind, every shape a
 real gloo job of its own (see there for why). Settings: ``MAX_EXAMPLES`` examples per
 source kind, derandomized (the same examples every run), no
 per-example deadline (a shape starts processes; the test has its own deadline).
@@ -44,10 +44,11 @@ MAX_EXAMPLES = int(os.environ.get("CHAINS_EXAMPLES", "12"))  # per source kind
 STREAMS = ("lazy", "unordered", "iterable")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ranks() -> Iterator[RankServers]:
     with RankServers(4) as servers:
         yield servers
+        assert servers.retries <= 2, f"gloo's set-up failed {servers.retries} times"
 
 
 @st.composite
