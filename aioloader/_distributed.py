@@ -48,6 +48,15 @@ def all_reduce(topo: Topology, value: int, op: str) -> int:
     return int(t.item())
 
 
+def any_of(topo: Topology, flags: Sequence[bool]) -> list[bool]:
+    """For each flag, whether it is set on any rank (one collective for all); blocking."""
+    import torch.distributed as dist
+
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topo.group)
+    return [bool(v) for v in t.tolist()]
+
+
 def share_size(n: int, rank: int, world: int, *, even: bool, drop_last: bool) -> int:
     """How many of ``n`` samples ``shard_order`` gives rank ``rank``, without building it."""
     if even:

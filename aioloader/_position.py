@@ -290,6 +290,25 @@ class Frontier:
     def from_data(cls, data: list[Any]) -> Frontier:
         return cls(tuple(Level.from_data(level) for level in data))
 
+    def extended(self, level: Level, options: Batching) -> Frontier:
+        """This frontier with ``level`` (the shards of the shape that just stopped, which
+        read past this frontier) on top.
+
+        With ``ordered=False`` a shard's keys were numbered in its stream past this
+        frontier, which leaves out what earlier shapes delivered; they are renumbered here
+        in the shard's raw stride (the n-th key from the shard's first raw position), as a
+        first shape numbers them, so that no level depends on the ones under it and a pass
+        resumes on a new shape as often as it is taken. The numbers kept are those of the
+        position (a low mark and the keys delivered past it): what was in flight."""
+        if not self.levels or all(p is None or p.keys is None for p in level.positions):
+            return Frontier((*self.levels, level))
+        earlier = self.delivered(options)
+        positions = tuple(
+            p if p is None or p.keys is None
+            else replace(p, keys=_in_stride(level.count, _first(level, k, p), p.keys, earlier))
+            for k, p in enumerate(level.positions))
+        return Frontier((*self.levels, replace(level, positions=positions)))
+
     def restart(self) -> BlockStart | None:
         """Where the new shards begin reading: the earliest block start of the last shape's
         shards (with the source's own state there); None: every shard's pass was over."""
@@ -317,18 +336,30 @@ class Frontier:
                     for k, p in enumerate(level.positions)]
             done: set[int] = set()
             for k, p in enumerate(level.positions):
-                if p is not None and p.keys is not None:
-                    if tests:
-                        raise ResumeError(
-                            "with ordered=False a pass resumes on a new shape once: this state "
-                            "was taken in a pass already resumed on another shape. Resume it "
-                            "on the shape it was taken on (the next pass may change again)")
-                    first = _first(level, k, p)
+                if p is not None and p.keys is not None:  # (numbered in the raw stride:
+                    first = _first(level, k, p)  # see ``extended``)
                     done.update(first + n * level.count for n in p.keys[1:])
                 elif p is not None and p.batches:
                     done.update(_replayed(options, level, k, p, earlier if tests else None))
             tests.append((level.count, lows, done))
         return earlier
+
+
+def _in_stride(count: int, first: int, keys: tuple[int, ...],
+               earlier: Callable[[int], bool]) -> tuple[int, ...]:
+    """``keys`` (a low mark, then numbers past it) of a stream that left out the raw
+    positions ``earlier`` delivered, as numbers in the raw stride ``first, first + count,
+    ...``: the n-th key the stream kept lies at the stride's ``m``-th position."""
+    wanted = sorted(set(keys))
+    found: dict[int, int] = {}
+    raw, n = first, 0
+    while len(found) < len(wanted):
+        if not earlier(raw):
+            if n in keys:
+                found[n] = (raw - first) // count
+            n += 1
+        raw += count
+    return tuple(found[n] for n in keys)
 
 
 def _first(level: Level, k: int, p: ShardPosition) -> int:

@@ -98,6 +98,16 @@ def held(total: int, rank: int, world: int, group: int) -> torch.Tensor:
     return items[items % (world * group) // group == rank]
 
 
+def cache_size(instances: int | None, history: History, rank: int, world: int,
+               group: int) -> int | None:
+    """How many instances rank ``rank`` of ``world`` caches: ``instances`` where a state
+    says so; in a pass resumed on a new shape, its share of the instances the history
+    counts (None: not known before the reader is read)."""
+    if instances is not None or not history or history[0].instances is None:
+        return instances
+    return len(held(history[0].total, rank, world, group))
+
+
 def local_plan(spec: PlanSpec, epoch: int, history: History, cached: int,
                group: int) -> Sequence[list[int]]:
     """Rank ``spec.rank``'s batches (indices into its cache of ``cached`` instances, read in

@@ -25,18 +25,21 @@ import threading
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from ._bars import progress_bar
 from ._config import LoaderConfig, draw_seed, iterable_length
-from ._distributed import all_reduce
+from ._distributed import any_of
 from ._errors import BatchFailure, LoaderBusyError, ResumeError, ResumeWarning
 from ._loads import SkipLog
 from ._loops import running_loop
+from ._padding import Padding, even_refusal
 from ._phases import RestartBudget
 from ._portal import Portal
 from ._position import is_stateful
 from ._producers import CachedInstances
+from ._reshape import cache_size
 from ._session import GRACE, Delivered, PassDone, Session, Step
 from ._setup import Setup
 from ._sources import Kind
@@ -96,6 +99,8 @@ class Run:
         self.config = config
         self.budget = RestartBudget(config.workers.max_restarts)  # across sessions
         self.skips = SkipLog()  # across sessions
+        self.padded = 0  # batches repeated to keep the ranks in step (even_batches)
+        self._pads: dict[int, int] = {}  # a cached reader's, planned: by pass
         self.meter = Meter()
         self.next_log = 0.0  # log_every: when the next stats line is due
         self.phase = Phase.IDLE
@@ -114,6 +119,7 @@ class Run:
         self._session_pass = 0  # the pass the current session started with
         self._cursor = Cursor()  # where the consumer stands (state_dict)
         self._resume: ResumePoint | None = None  # where the next session starts
+        self._padding: Padding | None = None  # even_batches: this rank's pass is over
         warm = config.workers.warm_start
         # spawn and forkserver start their interpreters now, so that their imports overlap
         # the script's own set-up (issue 13): standbys, or the process's forkserver.
@@ -164,7 +170,8 @@ class Run:
     @property
     def _setup(self) -> Setup:
         if self._made is None:
-            self._made = Setup(self.config, self.seed, self.budget, self.skips, self.standby)
+            self._made = Setup(self.config, self.seed, self.budget, self.skips, self.standby,
+                               self._pads)
         return self._made
 
     # ------------------------------------------------------------------ epochs
@@ -239,6 +246,8 @@ class Run:
         whose making raised is counted too, and comes as its :class:`BatchFailure`: the
         epoch raises its error and goes on, as torch's iterator does."""
         limit, timeout, agree = self._per_batch
+        if agree:
+            return await self._even(session, timeout)
         while limit is None or self._produced < limit:
             try:
                 step = await session.next(timeout)
@@ -246,11 +255,6 @@ class Run:
                 self._produced += 1
                 self._cursor.delivered()
                 return failed
-            if agree and not await self._all_have(step):
-                while not isinstance(step, PassDone):  # the others are done: skip ours
-                    step = await session.next(timeout)
-                self._pass_done()
-                return None
             if isinstance(step, PassDone):
                 self._pass_done()
                 if limit is None or step.empty:
@@ -337,14 +341,50 @@ class Run:
         return self._cursor.in_epoch
 
     def _pass_done(self) -> None:
+        self.padded += self._pads.pop(self._next_pass, 0)  # (handed over with the pass)
         self._next_pass += 1
         self._session_pass += 1
         self._cursor.pass_done()
 
+    async def _even(self, session: Session, timeout: float | None) -> Delivered | None:
+        """``even_batches`` over a stream: the epoch goes on while any rank has a batch of
+        its pass, and a rank whose pass is over repeats its first batches (``_padding``);
+        with ``drop_last``, it ends when the first rank's pass does (the rest is dropped)."""
+        drop, pad = self.config.batching.drop_last, self._padding
+        step: Step = PassDone(False) if pad is not None else await session.next(timeout)
+        if pad is None and isinstance(step, PassDone) and step.empty and not drop:
+            pad = self._pad()  # nothing of the pass came here: has the pass any batch?
+            await pad.prime()
+        has = isinstance(step, Delivered)
+        some, out, stuck = await asyncio.to_thread(
+            any_of, self.config.topo, [has, not has, pad is not None and pad.empty])
+        if some and not (stuck or (drop and out)):
+            if isinstance(step, PassDone):
+                if self._padding is None:  # this rank's pass is over, not the others'
+                    self._padding = pad = pad or self._pad()
+                    stream = pad.stream = self._cursor.stream
+                    if stream is not None:  # a state taken now: this rank's pass is over
+                        self._cursor.stream = lambda: replace(stream(), pending=())
+                assert pad is not None
+                repeat = await pad.next()
+                assert repeat is not None, "a pass with batches has a first one"
+                step = repeat
+                self.padded += 1
+            self._produced += 1
+            self._cursor.delivered()
+            return step
+        if stuck and some:
+            warnings.warn(even_refusal(self.config.topo.rank), stacklevel=4)
+        while not isinstance(step, PassDone):  # the epoch ends here for every rank
+            step = await session.next(timeout)
+        if self._padding is not None:
+            self._cursor.stream, self._padding = self._padding.stream, None
+        self._pass_done()
+        return None
 
-    async def _all_have(self, step: Step) -> bool:
-        have = 0 if isinstance(step, PassDone) else 1
-        return bool(await asyncio.to_thread(all_reduce, self.config.topo, have, "min"))
+    def _pad(self) -> Padding:
+        return Padding(lambda: self._setup.producer(self._next_pass, None, None),
+                       self.config.workers.num_workers, self.config.output.timeout)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self._next_pass:
@@ -368,6 +408,7 @@ class Run:
             producer = self._setup.producer(self._next_pass, resume, cache)
             session = Session(producer)
             self._session = session
+            self._padding = None
             self._session_pass = self._next_pass
             with self._lock:
                 carried = self._cursor.carried if resume is not None else None
@@ -497,7 +538,11 @@ class Run:
         self._resume = point
         self.phase = Phase.IDLE  # the state says where the next epoch starts: nothing owed
         self._next_pass = point.pass_no
+        # (a state taken before the next session starts is this one: a stream's position
+        # with it, or a stream resumed on a new shape would start its pass again)
+        stream = point.stream
         self._cursor = Cursor(point.pass_no, point.in_pass, point.in_epoch,
+                              stream=(lambda: stream) if stream is not None else None,
                               carried=point.in_epoch, history=point.history)
         if point.stream is not None and not is_stateful(c.source) and c.loads is None:
             skipped = sum(p.start.raw for p in point.stream.shards)
@@ -524,7 +569,16 @@ class Run:
             world_size=topo.world_size, shards=self.config.shape_shards)
 
     def _cached_count(self) -> int | None:
-        return len(self.cache) if self.cache is not None and self.config.cached else None
+        if not self.config.cached:
+            return None
+        if self.cache is not None:
+            return len(self.cache)
+        # A state taken after load_state_dict(), before the cache is read again: the
+        # count the resume point says (a new rank's share, on a new shape)
+        point, topo = self._resume, self.config.topo
+        return None if point is None else cache_size(point.instances, point.history,
+                                                     topo.rank, topo.world_size,
+                                                     self.config.shards)
 
     def stats(self) -> LoaderStats:
         session = self._session
@@ -536,7 +590,7 @@ class Run:
             data_stall=meter.wait / wall if wall > 0 else 0.0,
             time_to_first_batch_s=meter.first, workers=workers, arena=arena,
             restarts=self.budget.restarts, recycles=self.budget.recycles,
-            skipped=len(self.skips.skipped))
+            skipped=len(self.skips.skipped), padded=self.padded)
 
     # ------------------------------------------------------------------ closing
 

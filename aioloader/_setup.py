@@ -48,6 +48,7 @@ class Setup:
     budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
     skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
     standby: StandbyPool | None = None  # spawn: warm processes for the first workers (issue 13)
+    pads: dict[int, int] = field(default_factory=dict)  # repeats planned, by pass
 
     @functools.cached_property
     def plan_spec(self) -> PlanSpec:
@@ -146,8 +147,9 @@ class Setup:
                 positions.append(replace(position, frontier=None) if pending else None)
                 seeds.append(worker_seed(spec, pass_no, w))
         level = Level(first.world_size * per_rank, tuple(positions), tuple(seeds))
-        frontier = Frontier((*(earlier.levels if earlier else ()), level))
-        frontier.delivered(self.config.batching.options)  # what cannot be replayed: here
+        options = self.config.batching.options
+        frontier = (earlier or Frontier(())).extended(level, options)
+        frontier.delivered(options)  # what cannot be replayed: here
         start = frontier.restart() or PASS_START  # (no shard left: every instance is skipped)
         return StreamPosition(
             tuple(ShardPosition(pass_no, start, frontier=frontier)
@@ -165,10 +167,14 @@ class Setup:
             return lambda pass_no: plan_epoch(spec, data, pass_no, shared=False)
 
         target: list[int] = []  # agreed once per cache, by the first plan of the session
+        own = count_batches(spec, data, shared=False)
+        pads = self.pads
 
         def agreed(pass_no: int) -> Sequence[list[int]]:  # in a thread, never from len()
             if not target:
-                target.append(all_reduce(topo, count_batches(spec, data, shared=False), "max"))
+                target.append(all_reduce(topo, own, "max"))
+            if own:  # the repeats of the plan's first batches (counted at the pass's end)
+                pads[pass_no] = target[0] - own
             return plan_epoch(spec, data, pass_no, shared=False, target_batches=target[0])
 
         return agreed

@@ -432,3 +432,31 @@ def test_taking_len_batches_then_iterating_again_starts_the_next_epoch(num_worke
     epochs += [[ids(b) for b, _ in zip(loader, range(n), strict=False)] for _ in range(2)]
     assert epochs == whole
     loader.close()
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_taken_before_iterating_a_resumed_stream_is_the_resumed_one(
+        workers: int) -> None:
+    """state_dict() right after load_state_dict() (a checkpoint before the first step, or
+    a job preempted again at once) holds the stream's position: it held none, and a resume
+    from it read the pass again from its start (found by issue 33's chains of shapes)."""
+    def make() -> aioloader.DataLoader:
+        return aioloader.DataLoader(SyncReader(41), batch_size=3, shuffle=True, seed=2,
+                                    num_workers=workers, max_instances_in_memory=6,
+                                    quiet=True)
+
+    with make() as loader:
+        whole = [[int(i) for i in b["i"]] for b in loader]
+    with make() as loader:
+        batches = iter(loader)
+        first = [[int(i) for i in next(batches)["i"]] for _ in range(4)]
+        state = loader.state_dict()
+    with make() as loader:
+        loader.load_state_dict(state)
+        again = loader.state_dict()
+    assert again["stream"] == state["stream"]
+    with make() as loader:
+        loader.load_state_dict(again)
+        rest = [[int(i) for i in b["i"]] for b in loader]
+    assert first + rest == whole

@@ -1,0 +1,86 @@
+"""Even ranks over a stream: a rank whose pass is over repeats its pass's first batches.
+
+Under ``even_batches`` every rank must take part in every step (DDP's gradient all-reduce
+waits for all of them), but a stream's length is known to nobody in advance. Before each
+batch the ranks agree whether *any* of them still has one of its pass; a rank that has not
+hands over a batch of its own pass again, as ``DistributedSampler`` pads an epoch and as a
+cached reader's plan repeats its first batches (``_distributed.even_out``), until the last
+rank's pass is done. So no rank skips the rest of its pass, and nothing is lost
+(issue 33).
+
+The repeats are the pass's first batches, read again from the pass's start by a session of
+their own, and cycled: a pass's batches are a function of (seed, pass, shape), so they are
+the same on a resumed run. At most :data:`KEPT` (or ``num_workers``, if more) are held, as
+copies, while the rank pads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from ._position import StreamPosition
+from ._session import Delivered, PassDone, Producer, Session
+
+KEPT = 2  # batches held for repeating, at least (num_workers, if more: a round of shards)
+
+
+class Padding:
+    """The repeats of one rank in one pass (see the module docstring).
+
+    ``fresh``: a producer of the pass from its start (no resume point, no frontier).
+    """
+
+    def __init__(self, fresh: Callable[[], Producer], kept: int,
+                 timeout: float | None) -> None:
+        self._fresh = fresh
+        self._kept = max(kept, KEPT)
+        self._timeout = timeout
+        self._batches: list[Delivered] | None = None  # None: not read yet
+        self.handed = 0  # repeats handed over
+        self.stream: Callable[[], StreamPosition] | None = None  # the cursor's, while padding
+
+    @property
+    def empty(self) -> bool:
+        """The pass was read from its start and gave this rank no batch at all."""
+        return self._batches is not None and not self._batches
+
+    async def prime(self) -> None:
+        """Read the pass's first batches now (before they are due)."""
+        if self._batches is None:
+            self._batches = await self._read()
+
+    async def next(self) -> Delivered | None:
+        """A copy of the next repeat; None when the pass gave no batch at all."""
+        await self.prime()
+        assert self._batches is not None
+        if not self._batches:
+            return None
+        kept = self._batches[self.handed % len(self._batches)]
+        self.handed += 1
+        return Delivered(copy.deepcopy(kept.value), nbytes=kept.nbytes)
+
+    async def _read(self) -> list[Delivered]:
+        """The pass's first batches, copied (the consumer owns the values it gets)."""
+        session = Session(self._fresh())
+        batches: list[Delivered] = []
+        try:
+            await session.start()
+            session.attach()
+            while len(batches) < self._kept:
+                step = await session.next(self._timeout)
+                if isinstance(step, PassDone):
+                    break
+                batches.append(Delivered(copy.deepcopy(step.value), nbytes=step.nbytes))
+        finally:
+            await session.aclose()
+        return batches
+
+
+def even_refusal(rank: int) -> str:
+    """Why ranks end a stream's epoch with instances left: a rank has none to repeat."""
+    return (f"even_batches: a rank's pass over the stream gave it no batch at all (rank "
+            f"{rank} or another), so it has none to repeat while the others go on: the "
+            "epoch ends for every rank, and the rest of the others' pass is not seen. Give "
+            "every rank and worker some data (fewer workers, or more instances), or pass "
+            "even_batches=False")
