@@ -106,7 +106,9 @@ def _rebuild(cls: type[Exception], message: str, state: dict[str, object]) -> Ex
 
 
 class WorkerDied(WorkerError):
-    """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory.
+    """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory;
+    or it hung (``hung``: silent for that many seconds while a batch was owed, so the loader
+    killed it to replace it, ``max_worker_restarts``).
 
     With ``max_worker_restarts`` spent, ``deaths`` lists every death of the loader's workers
     (this one last) and the message names the earlier ones.
@@ -117,13 +119,21 @@ class WorkerDied(WorkerError):
         return [*self.earlier, self]
 
     def __init__(self, worker_id: int, pid: int | None, exitcode: int | None,
-                 context: str = "", *, earlier: list[WorkerDied] | None = None) -> None:
+                 context: str = "", *, earlier: list[WorkerDied] | None = None,
+                 hung: float | None = None) -> None:
         self.exitcode = exitcode
         self.earlier = earlier if earlier is not None else []  # deaths that were healed
-        super().__init__(
-            f"worker {worker_id} (pid {pid}) died unexpectedly: {describe_exit(exitcode)}"
-            + (f"; {context}" if context else ""),
-            worker_id=worker_id, pid=pid)
+        self.hung = hung
+        what = (f"hung (no word for {hung:.1f} s while a batch was owed) and was killed"
+                if hung is not None else f"died unexpectedly: {describe_exit(exitcode)}")
+        super().__init__(f"worker {worker_id} (pid {pid}) {what}"
+                         + (f"; {context}" if context else ""),
+                         worker_id=worker_id, pid=pid)
+
+    @property
+    def kind(self) -> str:
+        """The fault: "hang" (silent, killed by the loader) or "crash" (it ended)."""
+        return "crash" if self.hung is None else "hang"
 
 
 def describe_exit(exitcode: int | None) -> str:

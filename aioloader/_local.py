@@ -128,6 +128,10 @@ class _InProcess:
     def detach(self) -> None:
         self.private = False
 
+    def heal(self, silence: float) -> bool:
+        """Nothing to kill in this process: a silent fetch times out."""
+        return False
+
     async def enter_stage(self) -> LoadStage | None:
         """The pass's load stage, entered on this loop (None: the source has none)."""
         made = self.pipe.stage(None, self._skips.add)

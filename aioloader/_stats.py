@@ -46,7 +46,9 @@ class LoaderStats:
     time its epochs ran; ``data_stall`` = ``wait_s / wall_s``, the share of the step time
     lost to data. Above a few percent, the loader is the bottleneck: raise ``num_workers``
     (or the concurrency of the source). ``workers``: the current ones; ``restarts``: deaths
-    healed (``max_worker_restarts``).
+    healed (``max_worker_restarts``), of which ``crashes`` ended on their own (a signal,
+    ``os._exit``, out of memory) and ``hangs`` went silent past ``timeout`` with a batch
+    owed and were killed.
     """
 
     batches: int
@@ -60,6 +62,8 @@ class LoaderStats:
     restarts: int
     recycles: int
     skipped: int = 0  # keys skipped on error (on_error="skip"): loader.skipped
+    crashes: int = 0
+    hangs: int = 0
 
     def __str__(self) -> str:
         first = ("-" if self.time_to_first_batch_s is None
@@ -71,7 +75,8 @@ class LoaderStats:
                 f"{self.data_stall:.1%} (waited {self.wait_s:.1f} s of {self.wall_s:.1f} s), "
                 f"first batch {first}; workers: {workers}; arena {arena.slots} slots "
                 f"({arena.free} free, {arena.filled} filled, {arena.leased} leased, "
-                f"{_size(arena.bytes)}); restarts {self.restarts}, recycles {self.recycles}")
+                f"{_size(arena.bytes)}); restarts {self.restarts} ({self.crashes} crashes, "
+                f"{self.hangs} hangs), recycles {self.recycles}")
 
 
 def _size(n: int) -> str:
