@@ -353,6 +353,8 @@ class RaySupervisor:
         if k is None or self.closed or self.failure is not None or not self.budget.room:
             return False
         a = self.actors[k]
+        if a.silenced is not None and a.lost is None:
+            return True  # killed already: its death is on its way
         quiet = time.monotonic() - max(a.heard, a.born)
         if a.lost is not None or a.silenced is not None or quiet < silence:
             return False

@@ -456,6 +456,9 @@ class Supervisor:
             return True
         if self._awaited is None or self.spec.workers.threaded:
             return False
+        awaited = self.workers[self._awaited]
+        if awaited.silenced is not None and awaited.phase in ALIVE:
+            return True  # killed already: its exit is on its way (a loaded machine)
         w = self.roster.hung(self._awaited, silence, time.monotonic())
         if w is None or w.link.pid is None:
             return False
