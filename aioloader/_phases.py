@@ -199,9 +199,11 @@ class Roster(Generic[L]):
             self.failure = exc
 
     def started(self, w: WorkerState[L]) -> None:
-        """``w``'s start is done and it is in place."""
+        """``w``'s start is done and it is in place: its silence counts from now (a start
+        on a loaded machine is no hang)."""
         if w.phase is Phase.STARTING and not self.closed:
             w.phase = Phase.RUNNING
+            w.heard = time.monotonic()
 
     # ------------------------------------------------------------------ the worker's side
 

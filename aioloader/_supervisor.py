@@ -288,6 +288,7 @@ class Supervisor:
         if self.closed:
             return  # closed meanwhile: reaping covers it
         self.roster.started(new)
+        self.last_heard = time.monotonic()  # the replacement is up: a sign of life
         if self._loop is not None:
             self._watch(new)
 
