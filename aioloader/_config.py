@@ -68,6 +68,8 @@ class Workers:
     persistent: bool  # persistent_workers
     progress: bool  # a timeout is set: workers report progress, nothing runs inline
     ray_options: Mapping[str, Any] | None = None  # worker_type="ray": each actor's options
+    # num_workers=0 under ``async for``: fetch on the caller's loop, not the loader's thread
+    fetch_on_loop: bool = False
 
     @property
     def threaded(self) -> bool:
@@ -224,7 +226,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         max_restarts=a["max_worker_restarts"], max_batches=a["max_batches_per_worker"],
         max_rss=a["max_worker_rss"], init_fn=a["worker_init_fn"],
         persistent=a["persistent_workers"], progress=a["timeout"] is not None,
-        ray_options=a["ray_options"])
+        ray_options=a["ray_options"], fetch_on_loop=a["fetch_on_loop"])
     output = Output(device=a["device"], pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
                     quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
     given = Given(

@@ -124,7 +124,9 @@ def _rebuild(cls: type[Exception], message: str, state: dict[str, object]) -> Ex
 
 
 class WorkerDied(WorkerError, RuntimeError):
-    """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory.
+    """A worker process ended without a word: killed by a signal, ``os._exit``, out of memory;
+    or it hung (``hung``: silent for that many seconds while a batch was owed, so the loader
+    killed it to replace it, ``max_worker_restarts``).
 
     Also a ``RuntimeError``: torch raises one for a dead worker, and code written for torch
     catches that.
@@ -138,13 +140,21 @@ class WorkerDied(WorkerError, RuntimeError):
         return [*self.earlier, self]
 
     def __init__(self, worker_id: int, pid: int | None, exitcode: int | None,
-                 context: str = "", *, earlier: list[WorkerDied] | None = None) -> None:
+                 context: str = "", *, earlier: list[WorkerDied] | None = None,
+                 hung: float | None = None) -> None:
         self.exitcode = exitcode
         self.earlier = earlier if earlier is not None else []  # deaths that were healed
-        super().__init__(
-            f"worker {worker_id} (pid {pid}) died unexpectedly: {describe_exit(exitcode)}"
-            + (f"; {context}" if context else ""),
-            worker_id=worker_id, pid=pid)
+        self.hung = hung
+        what = (f"hung (no word for {hung:.1f} s while a batch was owed) and was killed"
+                if hung is not None else f"died unexpectedly: {describe_exit(exitcode)}")
+        super().__init__(f"worker {worker_id} (pid {pid}) {what}"
+                         + (f"; {context}" if context else ""),
+                         worker_id=worker_id, pid=pid)
+
+    @property
+    def kind(self) -> str:
+        """The fault: "hang" (silent, killed by the loader) or "crash" (it ended)."""
+        return "crash" if self.hung is None else "hang"
 
 
 # The exit code of a process that spawn (or forkserver) was preparing as a worker, which

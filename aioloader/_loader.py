@@ -78,6 +78,13 @@ class DataLoader(Generic[T_co]):
     priority whatever their number. Nicer workers also yield to every other process of the
     machine (docs/performance.md). ``loader.worker_nice`` says what was chosen.
 
+    ``fetch_on_loop=True`` (``num_workers=0`` only) runs each fetch of an ``async for``
+    on the caller's event loop instead of the loader's thread, as torch's ``num_workers=0``
+    runs it on the caller's thread: no thread hop, but the loop stops while a
+    ``__getitem__`` runs, and a dataset that waits for that loop (an async client bound to
+    it, asked through ``run_coroutine_threadsafe(...).result()``) hangs it for good. By
+    default fetches run in the thread, ``prefetch`` batches ahead of the consumer.
+
     ``quiet=None`` (the default) follows tqdm's convention: a progress bar for each epoch
     (and for reading a reader into its cache) when stderr is a terminal or in a Jupyter
     notebook, nothing when stderr is redirected (logs, CI), as torch prints nothing. It is
@@ -153,6 +160,7 @@ class DataLoader(Generic[T_co]):
     start_method: Option[str] = Option("workers.start_method")
     worker_nice: Option[int] = Option("workers.nice")
     prefetch: Option[int] = Option("workers.prefetch")
+    fetch_on_loop: Option[bool] = Option("workers.fetch_on_loop")
     zero_copy: Option[bool] = Option("workers.zero_copy")
     max_worker_restarts: Option[int] = Option("workers.max_restarts")
     max_batches_per_worker: Option[int | None] = Option("workers.max_batches")

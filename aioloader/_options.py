@@ -64,6 +64,7 @@ def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[st
     a["seed"] = _optional_int("seed", a["seed"], "an int or None", least=None)
     a["timeout"] = _timeout(a["timeout"])
     a["prefetch"] = _optional_int("prefetch", a["prefetch"], "a positive int or None", least=1)
+    _flag("fetch_on_loop", a.setdefault("fetch_on_loop", False))  # optional: a newer argument
     _flag("even_batches", a["even_batches"])
     _flag("zero_copy", a["zero_copy"])
     a["max_worker_restarts"] = _int("max_worker_restarts", a["max_worker_restarts"],
@@ -113,6 +114,11 @@ def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
               sampler=a["sampler"], batch_sampler=a["batch_sampler"],
               max_instances_in_memory=a["max_instances_in_memory"])
     _ray_rules(a["worker_type"], a["ray_options"])
+    if a["fetch_on_loop"] and a["num_workers"] > 0:
+        raise ValueError(
+            f"fetch_on_loop=True runs num_workers=0 fetches on the caller's loop; with "
+            f"num_workers={a['num_workers']} the workers fetch. Drop fetch_on_loop, or use "
+            "num_workers=0")
     _process_only(a["worker_type"], max_worker_restarts=a["max_worker_restarts"],
                   max_batches_per_worker=a["max_batches_per_worker"],
                   max_worker_rss=a["max_worker_rss"])

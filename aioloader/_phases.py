@@ -49,6 +49,17 @@ class RestartBudget:
     deaths: list[WorkerDied] = field(default_factory=list)
     recycles: int = 0  # workers retired on purpose (max_batches_per_worker, max_worker_rss)
     restarts: int = 0  # deaths healed
+    healed: dict[str, int] = field(default_factory=dict)  # restarts by WorkerDied.kind
+
+    @property
+    def room(self) -> bool:
+        """Whether one more death would be healed."""
+        return len(self.deaths) < self.limit
+
+    def healing(self, died: WorkerDied) -> None:
+        """``died`` (spent earlier) is being healed: a restart, counted by its kind."""
+        self.restarts += 1
+        self.healed[died.kind] = self.healed.get(died.kind, 0) + 1
 
     def spend(self, died: WorkerDied) -> WorkerDied | None:
         """Count ``died``: None when it may be healed, else the error that ends the run."""
@@ -103,6 +114,8 @@ class WorkerState(Generic[L]):
     last: float = 0.0  # when its latest batch was handed over
     batches: int = 0  # handed to the consumer (telemetry)
     busy: float = 0.0  # seconds the worker spent working, as it last said
+    heard: float = field(default_factory=time.monotonic)  # its last word (or its birth)
+    silenced: float | None = None  # killed as hung: the seconds it had been silent
 
     @property
     def deferred(self) -> bool:
@@ -186,9 +199,11 @@ class Roster(Generic[L]):
             self.failure = exc
 
     def started(self, w: WorkerState[L]) -> None:
-        """``w``'s start is done and it is in place."""
+        """``w``'s start is done and it is in place: its silence counts from now (a start
+        on a loaded machine is no hang)."""
         if w.phase is Phase.STARTING and not self.closed:
             w.phase = Phase.RUNNING
+            w.heard = time.monotonic()
 
     # ------------------------------------------------------------------ the worker's side
 
@@ -314,8 +329,20 @@ class Roster(Generic[L]):
         assert old.phase is Phase.LOST and old.died is not None, \
             f"worker {worker_id} is not lost"
         self.workers[worker_id] = new
-        self.budget.restarts += 1
+        self.budget.healing(old.died)
         return old.died, self.retire(old)
+
+    def hung(self, worker_id: int, silence: float, now: float) -> WorkerState[L] | None:
+        """The consumer waits for worker ``worker_id``, and nothing at all was heard for
+        ``silence`` seconds: the worker to kill and replace, if it is running, silent that
+        long itself, and the budget can heal one more death. None: the wait times out."""
+        w = self.workers[worker_id]
+        if (self.closed or self.failure is not None or not self.budget.room
+                or w.phase not in (Phase.RUNNING, Phase.RETIRING, Phase.HANDED_OVER)
+                or w.silenced is not None or now - w.heard < silence):
+            return None
+        w.silenced = now - w.heard
+        return w
 
     def retire(self, w: WorkerState[L]) -> list[WorkerState[L]]:
         """Let ``w`` go, and its successor with it (it was retiring when it died): the

@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from ._errors import BatchFailure, ResumeError
 from ._loads import ALL_SKIPPED, SkippedLoad
 from ._phases import WorkerLost
 from ._pipeline import INSTANCE_CHUNK
-from ._placement import LIMIT, Placement, Times, away, place
 from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ._session import Delivered, PassDone, Step
 from ._sources import shard_spec
@@ -29,7 +27,6 @@ from ._stats import ArenaStats, WorkerStats
 from ._supervisor import Arrival, Ended, Received
 from ._worker import WorkerSpec
 
-T = TypeVar("T")
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)
 
 
@@ -47,6 +44,7 @@ class Pool(Protocol):
     async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None: ...
     def attach(self) -> None: ...
     def detach(self) -> None: ...
+    def heal(self, silence: float) -> bool: ...
     def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]: ...
     def describe(self, worker_ids: list[int]) -> str: ...
     async def aclose(self, grace: float) -> None: ...
@@ -81,11 +79,8 @@ class Plans:
     """Index batches, pass after pass; the first pass is planned in a thread, off the loop.
 
     A plan takes as long as the epoch is long (millions of indices: a randperm of them), or
-    as a user's sampler takes, so the loop must not wait for one it has not seen. The next
-    passes are planned on the loop once a plan proved short and busy (``_placement``, with
-    a bound of 0.5 ms: a pass of the bench's 2,560 indices takes 10-30 us there, against a
-    thread hop of 0.4-1.3 ms at every epoch's start, measured on the 2-core machine); one
-    that outgrows the bound sends them back.
+    as a user's sampler takes (user code: never on the caller's loop, issue 33), so every
+    plan is made in a thread.
 
     ``ahead``: a pass may be planned before the previous one is consumed. True for the
     loader's own sampling (a pure function of seed and pass); False for a user's sampler,
@@ -102,10 +97,7 @@ class Plans:
         self._batches: Sequence[list[int]] | None = None  # lazy: a batch is made when due
         self._produced = 0
         self._skip = skip
-        # One plan a pass, so a proof of one; a quarter of a fetch's bound, since the loop
-        # gains a thread hop an epoch, not one a batch.
-        self._placement = Placement(limit=LIMIT / 4, proof=1)
-        self._early: asyncio.Future[tuple[Sequence[list[int]], Times]] | None = None
+        self._early: asyncio.Future[Sequence[list[int]]] | None = None
 
     async def next(self) -> list[int] | PassDone:
         if self._batches is None:
@@ -131,11 +123,10 @@ class Plans:
         indices held the first batch of the bench's second epoch 6.9 ms, torch's 0.37;
         started at the last batch instead, the plan was still waited for 4-9 ms: the
         consumer asks for the next epoch at once, and the thread gets the GIL when the loop
-        waits). Two plans are held meanwhile (8 bytes an index). Plans proven short are
-        made on the loop when due, as before."""
-        if self.ahead and not self._placement.inline:
+        waits). Two plans are held meanwhile (8 bytes an index)."""
+        if self.ahead:
             early = asyncio.get_running_loop().run_in_executor(
-                None, away(), self._plan, self._pass + 1)
+                None, self._plan, self._pass + 1)
             early.add_done_callback(_retrieved)  # a loader dropped before it is awaited
             self._early = early
 
@@ -144,8 +135,9 @@ class Plans:
         if early is not None and early.get_loop() is not asyncio.get_running_loop():
             early.cancel()  # made on another loop (the other face; another asyncio.run)
             early = None
-        offload = asyncio.to_thread if early is None else functools.partial(_started, early)
-        return await place(self._placement, offload, self._plan, self._pass)
+        if early is None:
+            return await asyncio.to_thread(self._plan, self._pass)
+        return await early
 
     def restart(self, pass_no: int) -> None:
         """Plan pass ``pass_no`` from its start when a batch is next asked for."""
@@ -157,12 +149,6 @@ class Plans:
         early, self._early = self._early, None
         if early is not None:
             early.cancel()
-
-
-async def _started(call: asyncio.Future[T], *_: Any) -> T:
-    """An offload for :func:`place` whose call was started before, with the same arguments
-    (``away()``, the plan, this pass): its result, judged as any offloaded call's."""
-    return await call
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
@@ -196,6 +182,9 @@ class _OnWorkers:
 
     def detach(self) -> None:
         self.sup.detach()
+
+    def heal(self, silence: float) -> bool:
+        return self.sup.heal(silence)
 
     async def aclose(self, grace: float) -> None:
         await self.sup.aclose(grace)

@@ -96,6 +96,8 @@ class _Actor:
     busy: float = 0.0
     successor: _Actor | None = None  # recycling: new calls go to it, old ones drain first
     lost: WorkerDied | None = None  # died, within the budget: restart() replaces it
+    heard: float = 0.0  # its latest reply (0: none yet; ``born`` counts then)
+    silenced: float | None = None  # killed as hung: the seconds it had been silent
 
     def number(self) -> int:
         self.numbered += 1
@@ -132,6 +134,8 @@ class RaySupervisor:
         self._spec_ref: Any = None  # the spec, put once in the object store for every actor
         self._cls: Any = None
         self._retired: list[_Actor] = []  # replaced actors: killed, confirmed at close
+        self._awaited: int | None = None  # the worker whose reply the consumer waits for
+        self._restarting = False  # a replacement's start is awaited: that is no silence
 
     # ------------------------------------------------------------------ start
 
@@ -271,7 +275,12 @@ class RaySupervisor:
                     continue
                 self._top_up(a)
                 assert a.calls, f"receive() from worker {worker_id} with nothing requested"
-            reply = await _first_reply(a)
+            self._awaited = worker_id
+            try:
+                reply = await _first_reply(a)
+            finally:
+                self._awaited = None
+            a.heard = time.monotonic()
             if isinstance(reply, (ray.exceptions.RayActorError,
                                   ray.exceptions.ObjectLostError)):
                 raise self._death(a, reply) from reply
@@ -330,7 +339,30 @@ class RaySupervisor:
     def _died(self, a: _Actor, exc: BaseException) -> WorkerDied:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return WorkerDied(a.id, _pid(a), None,
-                          f"its {a.actor()} is gone ({type(exc).__name__}: {first})")
+                          f"its {a.actor()} is gone ({type(exc).__name__}: {first})",
+                          hung=a.silenced)
+
+    def heal(self, silence: float) -> bool:
+        """As :meth:`Supervisor.heal <aioloader._supervisor.Supervisor.heal>`: the actor the
+        consumer waits for, silent ``silence`` seconds, is killed (``ray.kill``) and its
+        death healed like any other. An actor says nothing while it builds a batch, so a
+        batch that takes longer than ``timeout`` counts as a hang here."""
+        if self._restarting:
+            return True
+        k = self._awaited
+        if k is None or self.closed or self.failure is not None or not self.budget.room:
+            return False
+        a = self.actors[k]
+        if a.silenced is not None and a.lost is None:
+            return True  # killed already: its death is on its way
+        quiet = time.monotonic() - max(a.heard, a.born)
+        if a.lost is not None or a.silenced is not None or quiet < silence:
+            return False
+        a.silenced = quiet
+        log.warning("%s hung: no reply for %.1f s (timeout=%s) while the consumer waited "
+                    "for its batch; killing its actor to replace it", a.name(), quiet, silence)
+        _ray().kill(a.handle, no_restart=True)
+        return True
 
     def _death(self, a: _Actor, exc: BaseException) -> BaseException:
         """``a`` died (or its batch went with its node): lost within the budget, else the
@@ -349,7 +381,7 @@ class RaySupervisor:
         the producer."""
         old = self.actors[worker_id]
         assert old.lost is not None, f"worker {worker_id} is not lost"
-        self.budget.restarts += 1
+        self.budget.healing(old.lost)
         log.warning("%s; restarting it (restart %d of max_worker_restarts=%d)%s", old.lost,
                     len(self.budget.deaths), self.budget.limit,
                     f", from pass {start.pass_no} block {start.start.block}"
@@ -357,7 +389,11 @@ class RaySupervisor:
         self._let_go(old)
         new = self._spawn(worker_id, start)
         self.actors[worker_id] = new
-        await self._greet(new)
+        self._restarting = True
+        try:
+            await self._greet(new)
+        finally:
+            self._restarting = False
 
     def _let_go(self, a: _Actor) -> None:
         """Kill ``a`` (and a successor it started) and drop its calls: their batches leave

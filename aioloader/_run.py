@@ -590,7 +590,8 @@ class Run:
             data_stall=meter.wait / wall if wall > 0 else 0.0,
             time_to_first_batch_s=meter.first, workers=workers, arena=arena,
             restarts=self.budget.restarts, recycles=self.budget.recycles,
-            skipped=len(self.skips.skipped), padded=self.padded)
+            skipped=len(self.skips.skipped), padded=self.padded,
+            crashes=self.budget.healed.get("crash", 0), hangs=self.budget.healed.get("hang", 0))
 
     # ------------------------------------------------------------------ closing
 

@@ -219,7 +219,8 @@ class Setup:
         if c.workers.num_workers == 0:
             return LocalIndex(data, plan, first_pass, c.collate_fn, timed=c.workers.progress,
                               skip=skip, loads=self._loads_of(data), skips=self.skips,
-                              ahead=c.workers.slots, plan_ahead=plan_ahead)
+                              ahead=c.workers.slots, plan_ahead=plan_ahead,
+                              on_loop=c.workers.fetch_on_loop)
         return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
                            first_pass, c.workers.slots, plan_ahead=plan_ahead, skip=skip)
 

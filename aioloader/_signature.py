@@ -36,6 +36,7 @@ class LoaderOptions(TypedDict, total=False):
     quiet: bool | None
     seed: int | None
     prefetch: int | None
+    fetch_on_loop: bool
     even_batches: bool
     zero_copy: bool
     max_worker_restarts: int
@@ -104,6 +105,7 @@ KEYWORD_ONLY: dict[str, Any] = {
     "quiet": None,
     "seed": None,
     "prefetch": None,
+    "fetch_on_loop": False,
     "even_batches": True,
     "zero_copy": True,
     "max_worker_restarts": 0,

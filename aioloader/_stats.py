@@ -46,9 +46,11 @@ class LoaderStats:
     time its epochs ran; ``data_stall`` = ``wait_s / wall_s``, the share of the step time
     lost to data. Above a few percent, the loader is the bottleneck: raise ``num_workers``
     (or the concurrency of the source). ``workers``: the current ones; ``restarts``: deaths
-    healed (``max_worker_restarts``); ``padded``: batches a rank repeated to keep the
-    ranks in step under ``even_batches`` (a cached reader's as planned, a stream's as handed
-    over; see the guide's "Uneven shards").
+    healed (``max_worker_restarts``), of which ``crashes`` ended on their own (a signal,
+    ``os._exit``, out of memory) and ``hangs`` went silent past ``timeout`` with a batch
+    owed and were killed; ``padded``: batches a rank repeated to keep the ranks in step
+    under ``even_batches`` (a cached reader's as planned, a stream's as handed over; see the
+    guide's "Uneven shards").
     """
 
     batches: int
@@ -63,6 +65,8 @@ class LoaderStats:
     recycles: int
     skipped: int = 0  # keys skipped on error (on_error="skip"): loader.skipped
     padded: int = 0  # batches repeated to keep the ranks in step (even_batches)
+    crashes: int = 0
+    hangs: int = 0
 
     def __str__(self) -> str:
         first = ("-" if self.time_to_first_batch_s is None
@@ -74,7 +78,8 @@ class LoaderStats:
                 f"{self.data_stall:.1%} (waited {self.wait_s:.1f} s of {self.wall_s:.1f} s), "
                 f"first batch {first}; workers: {workers}; arena {arena.slots} slots "
                 f"({arena.free} free, {arena.filled} filled, {arena.leased} leased, "
-                f"{_size(arena.bytes)}); restarts {self.restarts}, recycles {self.recycles}"
+                f"{_size(arena.bytes)}); restarts {self.restarts} ({self.crashes} crashes, "
+                f"{self.hangs} hangs), recycles {self.recycles}"
                 + (f", padded {self.padded}" if self.padded else ""))
 
 

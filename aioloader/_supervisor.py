@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -144,6 +145,8 @@ class Supervisor:
         self._retired: list[Worker] = []  # replaced processes, reaped at the end
         self.standby = standby  # spawn: the loader's warm processes, for the first start
         self._standbys: list[Standby] = []  # taken from it and not used yet
+        self._awaited: int | None = None  # the worker the consumer waits for in receive()
+        self._restarting = False  # a replacement's start is awaited: that is no silence
 
     @property
     def workers(self) -> list[Worker]:
@@ -271,15 +274,22 @@ class Supervisor:
         new = self._spawn(spec)
         died, gone = self.roster.restart(worker_id, new)
         self._let_go(gone)
-        log.warning("worker %d (pid %s) died: %s; restarting it (restart %d of "
-                    "max_worker_restarts=%d)%s", worker_id, died.pid,
-                    describe_exit(died.exitcode), len(self.budget.deaths), self.budget.limit,
+        how = (f"hung: no word for {died.hung:.1f} s while a batch was owed; killed"
+               if died.hung is not None else f"died: {describe_exit(died.exitcode)}")
+        log.warning("worker %d (pid %s) %s (a %s); restarting it (restart %d of "
+                    "max_worker_restarts=%d)%s", worker_id, died.pid, how, died.kind,
+                    len(self.budget.deaths), self.budget.limit,
                     f", from pass {start.pass_no} block {start.start.block}"
                     if start is not None else "")
-        await asyncio.shield(asyncio.wrap_future(new.link.launch.future))
+        self._restarting = True
+        try:
+            await asyncio.shield(asyncio.wrap_future(new.link.launch.future))
+        finally:
+            self._restarting = False
         if self.closed:
             return  # closed meanwhile: reaping covers it
         self.roster.started(new)
+        self.last_heard = time.monotonic()  # the replacement is up: a sign of life
         if self._loop is not None:
             self._watch(new)
 
@@ -359,7 +369,7 @@ class Supervisor:
                 if self._loop is not None:
                     self._loop.remove_reader(link.sock.fileno())
                 return
-            self.last_heard = time.monotonic()
+            self.last_heard = w.heard = time.monotonic()
             for msg in link.frames.feed(data):
                 self._accept(w, msg)
 
@@ -394,7 +404,8 @@ class Supervisor:
                     process.join(EXIT_GRACE)
                 finally:
                     self._reaping.release()
-                self.roster.on_death(w, WorkerDied(w.id, process.pid, process.exitcode))
+                self.roster.on_death(w, WorkerDied(w.id, process.pid, process.exitcode,
+                                                   hung=w.silenced))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, see _on_readable
             self.roster.fail(WorkerDied(w.id, process.pid, process.exitcode))
             self._fail_cause(exc)
@@ -432,10 +443,36 @@ class Supervisor:
             assert self._loop is not None, "receive() outside an attached epoch"
             w.link.ledger.reclaim()
             self._waiter = self._loop.create_future()
+            self._awaited = worker_id
             try:
                 await self._waiter
             finally:
-                self._waiter = None
+                self._waiter = self._awaited = None
+
+    def heal(self, silence: float) -> bool:
+        """Nothing was heard for ``silence`` seconds (the loader's ``timeout``) while the
+        consumer waited: kill the worker it waits for if that one hung (a deadlock in user
+        code, a read that never returns, SIGSTOP) and a restart can replace it. SIGKILL
+        ends a stopped process too; its exit then takes a crash's path (its work is built
+        again, exactly once, in order). True: healing, keep waiting. Thread workers cannot
+        be killed: a hung one times out."""
+        if self._restarting:
+            return True
+        if self._awaited is None or self.spec.workers.threaded:
+            return False
+        awaited = self.workers[self._awaited]
+        if awaited.silenced is not None and awaited.phase in ALIVE:
+            return True  # killed already: its exit is on its way (a loaded machine)
+        w = self.roster.hung(self._awaited, silence, time.monotonic())
+        if w is None or w.link.pid is None:
+            return False
+        assert w.silenced is not None
+        log.warning("worker %d (pid %s) hung: no word for %.1f s (timeout=%s) while the "
+                    "consumer waited for its batch; killing it (SIGKILL) to replace it",
+                    w.id, w.link.pid, w.silenced, silence)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.link.pid, signal.SIGKILL)
+        return True
 
     # ------------------------------------------------------------------ send
 
@@ -498,7 +535,17 @@ class Supervisor:
         return workers, ArenaStats(slots, slots - filled - leased, filled, leased, nbytes)
 
     def describe(self, worker_ids: list[int]) -> str:
-        return ", ".join(f"worker {k} (pid {self.workers[k].link.pid})" for k in worker_ids)
+        named = ", ".join(f"worker {k} (pid {self.workers[k].link.pid})" for k in worker_ids)
+        if self.spec.workers.threaded:
+            return (f"{named} (thread workers cannot be killed, so a hung one is never "
+                    "replaced: worker_type='process' with max_worker_restarts heals it)")
+        if self.budget.limit == 0:
+            return (f"{named} (with max_worker_restarts=1 or more, a worker that hangs is "
+                    "killed and replaced)")
+        if not self.budget.room:
+            return (f"{named} (max_worker_restarts={self.budget.limit} spent: no restart "
+                    "left to replace a hung worker)")
+        return named
 
     async def aclose(self, grace: float) -> None:
         """Stop every worker and wait for it, without blocking the loop.

@@ -25,7 +25,8 @@ from aioloader.bench._report import (
     target_lines,
     targets_header,
 )
-from aioloader.bench._workloads import TextDataset, torch_pad_collate
+from aioloader.bench._step import consumer_step, fetch_ms, matmul_ms, reps_for
+from aioloader.bench._workloads import WORKLOADS, TextDataset, torch_pad_collate
 from aioloader.testing import members
 
 HARD_TIMEOUT = 300.0
@@ -181,6 +182,8 @@ def test_unknown_workload_exits_2_with_a_clear_error() -> None:
     ["bench", "--batches", "many"],
     ["bench", "--start-method", "vfork"],
     ["bench", "--workloads", ","],
+    ["bench", "--step-ms", "0"],
+    ["bench", "--step-ms", "soon"],
     ["frobnicate"],
     [],
 ])
@@ -189,6 +192,19 @@ def test_bad_flags_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -
         cli_main(args)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_consumer_step_is_calibrated_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--step-ms``: as many matmuls as make the step asked for, and none for no step."""
+    assert reps_for(0.0, 0.1) == 0 and reps_for(1.0, 0.1) == 10 and reps_for(0.01, 0.1) == 1
+    assert matmul_ms() > 0 and fetch_ms(WORKLOADS["tiny"]) > 0
+    calls: list[torch.Tensor] = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, out: calls.append(mm(a, b, out=out)))
+    consumer_step(0)()
+    assert calls == []
+    consumer_step(3)()
+    assert len(calls) == 3
 
 
 def test_torch_pad_collate_matches_pad_collate() -> None:

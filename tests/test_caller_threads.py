@@ -1,6 +1,7 @@
-"""``num_workers=0`` through ``async for`` (issue 23): fetches proven short run on the caller's
-thread, others in the fetch thread; the caller's torch threads stay as they were: the loop's
-thread, a thread started later, and the training step's speed."""
+"""``num_workers=0`` through ``async for``: fetches run in the loader's thread, ahead of the
+consumer, and never on the caller's loop unless ``fetch_on_loop=True`` asks (issue 33); the
+caller's torch threads stay as they were: the loop's thread, a thread started later, and the
+training step's speed."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 import torch
 
 import aioloader
-from aioloader._placement import PROOF
 
 
 class Augmented:
@@ -56,28 +56,61 @@ class Small:
                 "main": threading.current_thread() is threading.main_thread()}
 
 
-async def test_short_fetches_move_to_the_callers_thread_once_proven() -> None:
-    """The first fetches run in the fetch thread on one OpenMP thread of its own; once they
-    have shown they are short and busy, on the caller's thread with the caller's count, as
-    torch's num_workers=0 runs them (issue 23). No thread's count changes."""
+async def test_fetches_run_in_the_thread_ahead_of_the_consumer() -> None:
+    """Every fetch runs in the fetch thread on one OpenMP thread of its own (never on the
+    caller's thread, issue 33), and the thread runs ahead: while the consumer holds one
+    batch, the next ones are already being built. No thread's count changes."""
     mine, fresh = torch.get_num_threads(), _fresh_thread_count()
     where: list[tuple[bool, int]] = []
-    async with aioloader.DataLoader(Small(), batch_size=4, quiet=True) as loader:
+    async with aioloader.DataLoader(Small(), batch_size=4, quiet=True, prefetch=3) as loader:
         async for batch in loader:
-            assert len(set(batch["main"].tolist())) == 1  # a batch is fetched in one place
-            where.append((bool(batch["main"][0]), int(batch["threads"][0])))
+            where.append((bool(batch["main"].any()), int(batch["threads"][0])))
             assert torch.get_num_threads() == mine  # between batches, here
-    assert where[:PROOF] == [(False, 1)] * PROOF
-    on_loop = {threads for main, threads in where if main}
-    in_thread = {threads for main, threads in where if not main}
-    # A busy machine may send fetches back to the thread, never all 400 batches.
-    assert on_loop == {mine} and in_thread == {1}, where
+    assert set(where) == {(False, 1)} and len(where) == 400
     assert torch.get_num_threads() == mine
     assert _fresh_thread_count() == fresh  # torch's process-wide count too
 
 
-async def test_other_tasks_run_between_batches_fetched_on_the_loop() -> None:
-    """A task made ready after each batch runs before the next batch is handed over."""
+class Gated:
+    """Samples that record when they were made; sample ``gate_at`` waits for ``gate``."""
+
+    def __init__(self, gate: threading.Event, gate_at: int) -> None:
+        self.gate, self.gate_at = gate, gate_at
+        self.made: list[int] = []
+        self.started = threading.Event()
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.gate_at:
+            self.started.set()
+            self.gate.wait(30)
+        self.made.append(i)
+        return i
+
+
+@pytest.mark.deadline(60)
+async def test_the_thread_runs_prefetch_batches_ahead_and_no_further() -> None:
+    """With ``prefetch=2``, while the consumer holds batch 0 the thread builds batches 1
+    and 2 and starts no third: the gate in batch 2 holds it, and batch 3's sample is
+    never fetched before the consumer asks."""
+    gate = threading.Event()
+    data = Gated(gate, gate_at=2)
+    async with aioloader.DataLoader(data, batch_size=1, quiet=True, prefetch=2) as loader:
+        it = aiter(loader)
+        first = await anext(it)
+        await asyncio.to_thread(data.started.wait, 30)  # batch 2 is being fetched
+        assert int(first) == 0 and data.made == [0, 1]
+        gate.set()
+        rest = [int(b) async for b in it]
+    assert rest == list(range(1, 12)) and data.made == list(range(12))
+
+
+async def test_fetch_on_loop_runs_fetches_on_the_callers_thread() -> None:
+    """``fetch_on_loop=True``: what the user asked for, as torch's num_workers=0 runs them,
+    with the caller's torch thread count; other tasks still get a turn between batches."""
+    mine = torch.get_num_threads()
     turns = 0
     ready = asyncio.Event()
 
@@ -89,77 +122,68 @@ async def test_other_tasks_run_between_batches_fetched_on_the_loop() -> None:
             turns += 1
 
     task = asyncio.create_task(other())
-    seen: list[tuple[int, bool]] = []
+    seen: list[tuple[int, bool, int]] = []
     try:
-        async with aioloader.DataLoader(Small(), batch_size=4, quiet=True) as loader:
+        async with aioloader.DataLoader(Small(), batch_size=4, quiet=True,
+                                        fetch_on_loop=True) as loader:
             async for batch in loader:
-                seen.append((turns, bool(batch["main"][0])))
+                seen.append((turns, bool(batch["main"].all()), int(batch["threads"][0])))
                 ready.set()
     finally:
         task.cancel()
-    assert any(main for _, main in seen)
-    pairs = itertools.pairwise(seen)
-    assert all(after > before for (before, _), (after, main) in pairs if main)
+    assert {(main, threads) for _, main, threads in seen} == {(True, mine)}
+    assert all(after > before for (before, *_), (after, *_) in itertools.pairwise(seen))
 
 
-class Waits:
-    """Samples that block (a sleep) or wait for the caller's loop, which must stay free: each
-    says where it was made."""
+def test_fetch_on_loop_needs_num_workers_0() -> None:
+    with pytest.raises(ValueError, match=r"fetch_on_loop=True .* num_workers=2"):
+        aioloader.DataLoader(Small(), batch_size=4, num_workers=2, fetch_on_loop=True)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None, work: float = 0.0) -> None:
+
+class WaitsForTheLoop:
+    """400 samples; every 16th waits for the caller's loop (an async client bound to that
+    loop, asked on a cache miss). Each records the thread it ran on."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, every: int = 16) -> None:
         self.loop = loop
-        self.work = work  # seconds of computation a sample before its wait
+        self.every = every
+        self.threads: list[int] = []
 
     def __len__(self) -> int:
-        return 4 * (PROOF * 3)
+        return 400
 
-    def __getitem__(self, i: int) -> bool:
-        end = time.thread_time() + self.work
-        while time.thread_time() < end:
-            pass
-        if self.loop is None:
-            time.sleep(0.0005)
-        else:  # run on the loop it is consumed on: that loop must not be this thread
+    def __getitem__(self, i: int) -> int:
+        self.threads.append(threading.get_ident())
+        if self.loop is not None and i % self.every == self.every - 1:
             asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result()
-        return threading.current_thread() is threading.main_thread()
+        return i
 
 
 @pytest.mark.deadline(60)
-@pytest.mark.parametrize("how", ["sleeps", "awaits the loop", "works, then awaits the loop"])
-async def test_a_fetch_that_waits_never_runs_on_the_loop(how: str) -> None:
-    """However busy it is besides: one that waits for the loop would hang it there. A batch
-    of 4 samples of 0.4 ms of computation and one round trip each is 95 % busy."""
-    loop = asyncio.get_running_loop() if "loop" in how else None
-    work = 0.0004 if how.startswith("works") else 0.0
-    async with aioloader.DataLoader(Waits(loop, work), batch_size=4, quiet=True) as loader:
-        made_on_main = [bool(b.any()) async for b in loader]
-    assert made_on_main == [False] * (PROOF * 3)
+@pytest.mark.parametrize("timeout", [None, 60])
+async def test_a_dataset_that_waits_for_the_loop_never_hangs_it(timeout: int | None) -> None:
+    """Issue 33: with fetches proven short moved onto the loop, the first miss there hung
+    it (60 s deadline). By default no __getitem__ runs on the loop's thread."""
+    data = WaitsForTheLoop(asyncio.get_running_loop())
+    async with aioloader.DataLoader(data, batch_size=4, quiet=True,
+                                    timeout=timeout) as loader:
+        got = [i for b in [b async for b in loader] for i in b.tolist()]
+    assert got == list(range(400))
+    assert len(data.threads) == 400 and threading.get_ident() not in data.threads
 
 
-class WaitsOnAMiss:
-    """Samples that wait for the caller's loop only now and then (the last of each 16, a
-    cache miss): the fetches before prove short and busy."""
+async def test_no_fetch_runs_on_the_loops_thread_for_any_source_kind() -> None:
+    """Index batches with a load stage too: the collate runs in the thread."""
+    data = WaitsForTheLoop(None)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def collate(items: list[int]) -> list[int]:
+        data.threads.append(threading.get_ident())
+        return items
 
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> bool:
-        if i % 16 == 15:
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result()
-        return threading.current_thread() is threading.main_thread()
-
-
-@pytest.mark.deadline(60)
-async def test_a_timeout_keeps_a_fetch_that_waits_now_and_then_off_the_loop() -> None:
-    """What docs/performance.md tells such a dataset's user: without ``timeout=`` its quiet
-    fetches would move onto the loop, and the first miss there would hang it."""
-    data = WaitsOnAMiss(asyncio.get_running_loop())
-    async with aioloader.DataLoader(data, batch_size=4, timeout=60, quiet=True) as loader:
-        made_on_main = [bool(b.any()) async for b in loader]
-    assert made_on_main == [False] * 16
+    async with aioloader.DataLoader(list(range(40)), batch_size=4, quiet=True,
+                                    load_fn=data.__getitem__, collate_fn=collate) as loader:
+        got = [i async for b in loader for i in b]
+    assert got == list(range(40)) and threading.get_ident() not in data.threads
 
 
 def test_the_sync_face_fetches_here_with_the_callers_count() -> None:
@@ -251,10 +275,9 @@ class _Images:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy: Linux")
 async def test_the_copy_helper_takes_only_idle_cores_and_the_batches_are_whole() -> None:
-    """``timeout=`` keeps every fetch in the fetch thread, which shares large stacks with
-    the helper; the helper runs under SCHED_IDLE, beside the caller's loop."""
-    async with aioloader.DataLoader(_Images(), batch_size=32, timeout=60,
-                                    quiet=True) as loader:
+    """The fetch thread shares large stacks with the helper; the helper runs under
+    SCHED_IDLE, beside the caller's loop."""
+    async with aioloader.DataLoader(_Images(), batch_size=32, quiet=True) as loader:
         firsts = [batch[:, 0, 0, 0].tolist() async for batch in loader]
         helpers = [t for t in threading.enumerate() if t.name.startswith("aioloader-copy")]
         ids = [t.native_id for t in helpers]
@@ -263,12 +286,10 @@ async def test_the_copy_helper_takes_only_idle_cores_and_the_batches_are_whole()
     assert firsts == [list(range(32)), list(range(32, 64))]
 
 
-def test_a_pass_planned_early_on_one_loop_is_planned_again_on_another(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plans kept in the thread (a bound of 0: none proves short) plan the next pass while
-    this one is consumed, on this epoch's loop; an epoch on another loop (the other face, a
-    new ``asyncio.run``) plans its own. Each epoch gives all the data."""
-    monkeypatch.setattr(aioloader._producers, "LIMIT", 0.0)
+def test_a_pass_planned_early_on_one_loop_is_planned_again_on_another() -> None:
+    """Plans (in the thread) plan the next pass while this one is consumed, on this
+    epoch's loop; an epoch on another loop (the other face, a new ``asyncio.run``) plans
+    its own. Each epoch gives all the data."""
     data = list(range(10))
 
     async def consume(loader: aioloader.DataLoader) -> list[int]:

@@ -8,6 +8,7 @@ workers from the consumer's loop, after a given batch.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 VICTIM = Path(__file__).parent / "heal_victim.py"
+HANG_VICTIM = Path(__file__).parent / "hang_victim.py"
 
 
 def victim(kind: str, start_method: str, restarts: int, *kills: int) -> tuple[Any, str]:
@@ -109,3 +111,78 @@ def test_max_worker_restarts_is_validated() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="max_worker_restarts must be an int >= 0"):
             aioloader.DataLoader([1, 2], batch_size=1, max_worker_restarts=bad)
+
+
+def hang_victim(how: str, start_method: str, restarts: int,
+                tmp_path: Path) -> tuple[Any, str]:
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    proc = subprocess.run(
+        [sys.executable, str(HANG_VICTIM), how, start_method, str(restarts), str(fifo)],
+        capture_output=True, text=True, timeout=150, start_new_session=True,
+        cwd=Path(__file__).parent)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.deadline(170)
+@pytest.mark.parametrize(("how", "start_method"), [
+    ("sigstop", "fork"),  # SIGKILL ends a stopped process too
+    ("sigstop", "spawn"),
+    ("getitem", "fork"),  # a read that never returns, in __getitem__
+    ("init", "fork"),  # ... in worker_init_fn, before the worker's first word
+])
+def test_a_hung_worker_is_killed_and_replaced_and_nothing_is_lost_or_repeated(
+        how: str, start_method: str, tmp_path: Path) -> None:
+    """Issue 33: silent for ``timeout`` while the consumer waits for its batch, the worker is
+    killed and replaced like a dead one; the epoch is exact and in order; stats and the
+    log say it was a hang."""
+    result, stderr = hang_victim(how, start_method, 1, tmp_path)
+    assert result["error"] is None, result["error"]
+    assert result["seen"] == result["reference"]  # every batch once, in order
+    assert (result["restarts"], result["hangs"], result["crashes"]) == (1, 1, 0)
+    assert result["left"] == []
+    assert "hung: no word for" in stderr and "killing it (SIGKILL)" in stderr
+    assert "(a hang); restarting it (restart 1 of max_worker_restarts=1)" in stderr
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("how", ["sigstop", "getitem"])
+def test_without_restarts_a_hung_worker_times_out(how: str, tmp_path: Path) -> None:
+    result, _ = hang_victim(how, "fork", 0, tmp_path)
+    assert result["error"]["type"] == "LoaderTimeoutError", result["error"]
+    assert "still waiting for worker" in result["error"]["message"]
+    assert "with max_worker_restarts=1 or more, a worker that hangs is killed and replaced" \
+        in result["error"]["message"]
+    assert result["left"] == []
+
+
+async def test_a_hung_thread_worker_times_out_and_says_threads_cannot_be_killed() -> None:
+    """Thread workers cannot be killed: a hung one is reported, never replaced."""
+    import threading
+
+    import aioloader
+
+    gate = threading.Event()
+
+    class Stalls:
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            if i == 5:
+                gate.wait(30)
+            return i
+
+    loader = aioloader.DataLoader(Stalls(), batch_size=2, num_workers=2, worker_type="thread",
+                                  timeout=0.5, quiet=True)
+    try:
+        with pytest.raises(aioloader.LoaderTimeoutError, match="thread workers cannot be killed"):
+            async for _ in loader:
+                pass
+    finally:
+        gate.set()
+        await loader.aclose()
+    with pytest.raises(ValueError, match="cannot be killed"):
+        aioloader.DataLoader(Stalls(), batch_size=2, num_workers=2, worker_type="thread",
+                             max_worker_restarts=1)

@@ -29,6 +29,8 @@ class FakeProducer:
         self.activity = time.monotonic()
         self.events: list[str] = []
         self.closed_with: float | None = None
+        self.heals = 0
+        self.healed = asyncio.Event()
 
     async def start(self) -> None:
         self.events.append("start")
@@ -52,6 +54,15 @@ class FakeProducer:
 
     def detach(self) -> None:
         self.events.append("detach")
+
+    def heal(self, silence: float) -> bool:
+        """True ``heals`` times (a hung worker killed), then False (the wait times out)."""
+        self.events.append("heal")
+        self.healed.set()
+        if self.heals:
+            self.heals -= 1
+            return True
+        return False
 
     async def aclose(self, grace: float) -> None:
         self.events.append("aclose")
@@ -106,6 +117,24 @@ async def test_silence_past_the_timeout_names_what_it_waits_for() -> None:
     assert session.state is State.IDLE  # a timeout ends the wait, not the session
     producer.steps.put_nowait(Delivered(1))
     assert await session.next(timeout=30) == Delivered(1)
+    await session.aclose(0.0)
+
+
+async def test_a_healed_silence_keeps_the_consumer_waiting() -> None:
+    """Issue 33: when the producer heals the silence (a hung worker killed and replaced),
+    the wait goes on; the step that comes next is the consumer's."""
+    producer = FakeProducer()
+    producer.heals = 1
+    session = await started(producer)
+    consumer = asyncio.ensure_future(session.next(timeout=0.05))
+    await asyncio.wait_for(producer.healed.wait(), 30)
+    producer.steps.put_nowait(Delivered(1))
+    assert await asyncio.wait_for(consumer, 30) == Delivered(1)
+    assert producer.events.count("heal") == 1
+    producer.heals = 1  # healed once, then silent again: the second silence times out
+    with pytest.raises(LoaderTimeoutError, match="the fake producer"):
+        await asyncio.wait_for(session.next(timeout=0.05), 30)
+    assert producer.events.count("heal") == 3
     await session.aclose(0.0)
 
 

@@ -162,6 +162,28 @@ def test_a_worker_that_dies_is_lost_after_what_it_sent_then_restarted() -> None:
     assert new.phase is Phase.RUNNING
 
 
+def test_a_silent_worker_is_hung_only_when_silent_itself_and_healable() -> None:
+    """Issue 33: the worker the consumer waits for is killed as hung when it is running,
+    has been silent ``silence`` seconds itself, and the budget can heal one more death;
+    its death is then counted as a hang."""
+    r = roster(restarts=1)
+    w = r.workers[0]
+    now = w.heard + 10.0
+    assert r.hung(0, 20.0, now) is None  # heard 10 s ago: not silent long enough
+    r.workers[1].phase = Phase.STARTING
+    assert r.hung(1, 5.0, now) is None  # not running yet: its start is no silence
+    assert r.hung(0, 5.0, now) is w and w.silenced == 10.0
+    assert r.hung(0, 5.0, now) is None  # killed once
+    assert r.on_exit(w) == CountDeath(0)
+    r.on_death(w, WorkerDied(0, 1000, -9, hung=w.silenced))
+    assert isinstance(r.next_step(0), Raise)
+    r.restart(0, WorkerState(0, "restarted", phase=Phase.RUNNING))
+    assert r.budget.healed == {"hang": 1} and r.budget.restarts == 1
+    assert r.workers[0].died is None and not r.budget.room
+    assert r.hung(0, 5.0, r.workers[0].heard + 10.0) is None  # the budget is spent
+    assert "hung (no word for 10.0 s while a batch was owed)" in str(r.budget.deaths[0])
+
+
 def test_a_death_past_the_budget_fails_the_session() -> None:
     r = roster(restarts=1)
     for k in (0, 1):

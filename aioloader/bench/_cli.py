@@ -35,6 +35,7 @@ from ._runner import (
     isolated,
     run_workload,
 )
+from ._step import FETCH
 from ._workloads import ALL, FIRST, LAG, WORKLOADS, pillow_missing
 
 DEFAULT_WORKLOADS = ALL
@@ -69,6 +70,19 @@ def _concurrency(text: str) -> tuple[int, ...]:
         return _remote.concurrency_list(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _step_ms(text: str) -> float | str:
+    if text == FETCH:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or {FETCH!r}, got {text!r}"
+                                          ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 ms, got {text!r}")
+    return value
 
 
 def _at_least(minimum: int) -> Any:
@@ -138,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(pip install -e '.[ray]' in a clone); aioloader with worker "
                         "processes runs beside it in the same pairs, and the table adds Ray "
                         "against processes and Ray's cost per batch (docs/beyond.md)")
+    parser.add_argument("--step-ms", type=_step_ms, default=None, metavar="MS",
+                        help="after each batch, every side's consumer runs a step of about "
+                        "MS ms of 128x128 matmuls (torch lets go of the GIL meanwhile, as "
+                        "a training step on an accelerator does), calibrated once per "
+                        "workload; 'fetch': each workload's step is about what building one "
+                        "of its batches costs here (default: no step)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing "
@@ -202,7 +222,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout),
                 peers=peers, collate=args.collate, lag=args.lag, worker_nice=args.worker_nice,
                 lag_min_s=LAG_MIN_S / 10 if args.quick else LAG_MIN_S,
-                worker_type=args.worker_type)
+                worker_type=args.worker_type, step_ms=args.step_ms)
     if args.lag and not any(w in WORKLOADS for w in workloads):
         notes.append(f"--lag: no throughput workload to run beside ({', '.join(WORKLOADS)}); "
                      f"{LAG!r} measures image's lag on its own")
@@ -218,6 +238,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               + (f", peers: {', '.join(peers)}" if args.peers else "")
               + (", aioloader on Ray workers (beside: on worker processes)"
                  if plan.worker_type == "ray" else "")
+              + (f", consumer step: {plan.step_ms} ms" if plan.step_ms is not None else "")
               + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
         machine = isolated(Spec(kind="refs", loop=plan.loop), plan.timeout)
@@ -275,7 +296,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        "loop": plan.loop, "workloads": list(args.workloads),
                        "peers": list(plan.peers), "collate": plan.collate,
                        "lag": plan.lag, "lag_min_s": plan.lag_min_s,
-                       "worker_nice": nice, "worker_type": plan.worker_type},
+                       "worker_nice": nice, "worker_type": plan.worker_type,
+                       "step_ms": plan.step_ms},
             "machine": machine,
             "workloads": raw,
             # --quick judges nothing: its targets carry "passed": null

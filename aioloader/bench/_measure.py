@@ -24,6 +24,7 @@ import torch.utils.data
 import aioloader
 
 from ._peers import Setup, open_loader, torch_loader
+from ._step import consumer_step
 from ._workloads import WORKLOADS, CollateChoice, Workload, lag_workload
 
 T = TypeVar("T")
@@ -61,6 +62,7 @@ class Spec:
     worker_nice: int | None = None  # aioloader's (--worker-nice; None: its default); the
     # peers run as they are
     worker_type: str = "process"  # aioloader's: "ray" runs its workers as Ray actors
+    step_reps: int = 0  # the consumer's step after each batch: matmuls (``_step``)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -170,34 +172,39 @@ def per_side(spec: Spec, workload: Workload, dataset: Any, *,
 
 
 def _peer_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
+    step = consumer_step(spec.step_reps)
     clock = Clock()
     with open_loader(spec.side, dataset, peer_setup(spec, workload)) as loader:
-        _epochs(clock, loader)
+        _epochs(clock, loader, step)
         del loader  # torch's persistent workers stop with the loader's last reference
     return clock
 
 
 def _aio_sync_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
+    step = consumer_step(spec.step_reps)
     clock = Clock()
     with aio_loader(spec, workload, dataset) as loader:
-        _epochs(clock, loader)
+        _epochs(clock, loader, step)
         clock.data_stall = loader.stats().data_stall
     return clock
 
 
-def _epochs(clock: Clock, loader: Iterable[Any]) -> None:
+def _epochs(clock: Clock, loader: Iterable[Any], step: Callable[[], None]) -> None:
     for _ in range(EPOCHS):
         for batch in loader:
             clock.arrived(batch)
+            step()
         clock.epoch_end()
 
 
 async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
+    step = consumer_step(spec.step_reps)
     clock = Clock()
     async with aio_loader(spec, workload, dataset) as loader:
         for _ in range(EPOCHS):
             async for batch in loader:
                 clock.arrived(batch)
+                step()
             clock.epoch_end()
         clock.data_stall = loader.stats().data_stall
     return clock

@@ -17,6 +17,7 @@ from typing import Any
 from ..testing import members
 from ._first import measure
 from ._measure import Face, Kind, LoopName, Result, Spec
+from ._step import FETCH, SIDE, fetch_ms, matmul_ms, reps_for
 from ._workloads import FIRST, FIRST_BATCHES, LAG, WORKLOADS, CollateChoice
 
 LAG_SIDES = ("aioloader", "torch-direct", "torch-executor")
@@ -50,6 +51,7 @@ class Plan:
     worker_nice: int | None = None  # aioloader's worker processes only (--worker-nice);
     # None: the loader's default
     worker_type: str = "process"  # aioloader's, on the throughput workloads (--worker-type)
+    step_ms: float | str | None = None  # --step-ms: ms, "fetch" (each workload's), or none
 
 
 def isolated(spec: Spec, timeout: float) -> Result:
@@ -225,12 +227,32 @@ def run_workload(plan: Plan, workload: str,
     runs: dict[str, list[Result]] = {
         side: [] for side in sides(workload, plan.num_workers, plan.peers, plan.lag,
                                    plan.worker_type)}
+    reps = step_reps(plan, workload)
     for pair in range(plan.pairs):
         for side, results in runs.items():
             if on_run is not None:
                 on_run(side, pair)
-            results.append(isolated(spec_for(plan, workload, side), plan.timeout))
+            spec = spec_for(plan, workload, side)
+            if spec.kind == "throughput":
+                spec = replace(spec, step_reps=reps)
+            results.append(isolated(spec, plan.timeout))
     return runs
+
+
+def step_reps(plan: Plan, workload: str) -> int:
+    """The consumer step's matmuls after each of ``workload``'s batches (``--step-ms``),
+    calibrated here once, so that every side of every pair does the same work."""
+    if plan.step_ms is None or workload not in WORKLOADS:
+        return 0
+    # In a child: torch's OpenMP team started in this process would be forked into every
+    # measurement after it.
+    times = isolated_call(_calibrate, (workload, plan.step_ms), plan.timeout,
+                          f"{workload}'s consumer step")
+    one, ms = times["matmul_ms"], times["step_ms"]
+    reps = reps_for(ms, one)
+    print(f"  ({workload}: consumer step {reps} matmul(s) of {SIDE}x{SIDE}, "
+          f"{reps * one:.2f} ms, for {ms:.2f} ms asked)", file=sys.stderr, flush=True)
+    return reps
 
 
 def default_batches(quick: bool) -> dict[str, int]:
@@ -241,3 +263,8 @@ def default_batches(quick: bool) -> dict[str, int]:
         batches = {name: max(3, n // 25) for name, n in batches.items()}
     batches[FIRST] = FIRST_BATCHES  # one is consumed; the epoch's size hardly matters
     return batches
+
+
+def _calibrate(workload: str, step_ms: float | str) -> Result:  # pragma: no cover - a child
+    return {"matmul_ms": matmul_ms(), "step_ms": fetch_ms(WORKLOADS[workload])
+            if step_ms == FETCH else float(step_ms)}
