@@ -224,8 +224,11 @@ class Run:
         (``persistent_workers=True``, as torch's): a pass of the loader's own, started
         again from its beginning, with nothing resumed."""
         c = self.config
-        return (c.workers.persistent and c.batching.batches_per_epoch is None
-                and self._resume is None and session.rewinds())
+        # A torch Dataset only: a reader's workers stop when its epoch is left early (the
+        # contract's lifecycle), its persistence is for completed epochs.
+        return (c.kind is Kind.MAP and c.workers.persistent
+                and c.batching.batches_per_epoch is None and self._resume is None
+                and session.rewinds())
 
     async def _finish_pass(self, session: Session, private: bool) -> Session:
         """Take the pass end that an earlier, fully consumed epoch left unasked for."""
