@@ -52,6 +52,11 @@ class Epoch:
     def __aiter__(self) -> Epoch:
         return self
 
+    @property
+    def done(self) -> bool:
+        """The epoch ended: complete, stopped by an error, closed or superseded."""
+        return self._done
+
     async def __anext__(self) -> Any:
         if self._superseded:
             raise LoaderBusyError(

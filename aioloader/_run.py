@@ -245,9 +245,10 @@ class Run:
         return session
 
     async def next(self, session: Session) -> Delivered | BatchFailure | None:
-        """The epoch's next batch, counted as handed over; None at the epoch's end. A batch
-        whose making raised is counted too, and comes as its :class:`BatchFailure`: the
-        epoch raises its error and goes on, as torch's iterator does."""
+        """The epoch's next batch, counted as handed over; None at the epoch's end. A torch
+        Dataset's batch whose making raised is counted too, and comes as its
+        :class:`BatchFailure`: the epoch raises its error and goes on, as torch's iterator
+        does."""
         limit, timeout, agree = self._per_batch
         if agree:
             return await self._even(session, timeout)
@@ -255,6 +256,10 @@ class Run:
             try:
                 step = await session.next(timeout)
             except BatchFailure as failed:
+                if self.config.kind is not Kind.MAP:
+                    # A reader's epoch ends at its first error (AllenNLP's loader, and the
+                    # contract's lifecycle: its workers stop); torch's Dataset goes on.
+                    raise failed.error from None
                 self._produced += 1
                 self._cursor.delivered()
                 return failed

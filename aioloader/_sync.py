@@ -6,15 +6,28 @@ loader's lifetime.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 
-from ._backstop import backstop
+from ._backstop import backstop, drop_backstop
 from ._loops import running_loop
 from ._portal import Portal
 from ._staging import consumer_stream, handing_to
+
+
+class Ending(Protocol):
+    """An epoch, as the sync face drives it: ``done`` once it ended (complete or stopped)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def __anext__(self) -> Awaitable[Any]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
 
 
 class SyncLoader:
@@ -27,7 +40,7 @@ class SyncLoader:
         [[1, 2], [3]]
     """
 
-    def __init__(self, portal: Portal, epoch: Callable[[], AsyncIterator[Any]],
+    def __init__(self, portal: Portal, epoch: Callable[[], Ending],
                  length: Callable[[], int], device: torch.device | None) -> None:
         self._portal = portal
         self._epoch = epoch
@@ -47,10 +60,10 @@ class SyncEpoch(Iterator[Any]):
     iterator does (issue 32). Dropped half-way, its epoch is closed (the backstop), as a
     generator's ``finally`` would."""
 
-    def __init__(self, portal: Portal, epoch: AsyncIterator[Any],
+    def __init__(self, portal: Portal, epoch: Ending,
                  device: torch.device | None) -> None:
         self._portal = portal
-        self._epoch: AsyncIterator[Any] | None = epoch
+        self._epoch: Ending | None = epoch
         self.device = device
         self._backstop = backstop(self, _closed, portal, epoch)
 
@@ -63,6 +76,14 @@ class SyncEpoch(Iterator[Any]):
         except StopAsyncIteration:
             self.close()
             raise StopIteration from None
+        except BaseException:
+            if epoch.done:  # the error ended the epoch (its workers are stopped)
+                # This frame stays in the error's traceback: hold nothing through it that
+                # would keep the loader (its portal's loop) alive while the error is kept.
+                self._epoch = None
+                drop_backstop(self._backstop)
+            del epoch
+            raise
 
     def close(self) -> None:
         """Stop the epoch (its workers, unless they are kept), as a generator's close."""
