@@ -139,6 +139,10 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, 
                         "Dataset or IterableDataset) or 'reader' (an object with "
                         "read(data_path))")
     positional = READER_POSITIONAL if classify(source) is Kind.READER else TORCH_POSITIONAL
+    if positional is TORCH_POSITIONAL and args == (None,) and "batch_size" in kwargs:
+        # AllenNLP's form for a dataset, DataLoader(dataset, None, batch_size=...): the None
+        # is its data_path, which a dataset does not read (torch would refuse the call)
+        args = ()
     if len(args) > len(positional):
         form = ("DataLoader(reader, data_path, *, ...)" if positional is READER_POSITIONAL
                 else "torch's DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, "

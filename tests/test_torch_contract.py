@@ -399,3 +399,14 @@ def test_a_timeout_says_what_torchs_says() -> None:
     with pytest.raises(RuntimeError, match=r"DataLoader timed out after \d+ seconds"):
         next(iter(loader))
     loader.close()
+
+
+def test_allennlps_form_with_a_none_data_path_is_accepted_for_a_dataset() -> None:
+    # DataLoader(dataset, None, batch_size=4): AllenNLP's (source, data_path) form, which the
+    # contract's readers use; torch refuses it, so no torch script means anything else.
+    with pytest.raises(TypeError, match="multiple values for argument 'batch_size'"):
+        tud.DataLoader(Squares(), None, batch_size=4)
+    loader = aioloader.DataLoader(Squares(), None, batch_size=4)
+    assert (loader.batch_size, len(loader)) == (4, 6)
+    with pytest.raises(TypeError, match="multiple values for argument 'batch_size'"):
+        aioloader.DataLoader(Squares(), 2, batch_size=4)
