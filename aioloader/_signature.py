@@ -166,8 +166,11 @@ def torch_form() -> inspect.Signature:
     """The dataset form as one signature, for ``help()`` and ``inspect.signature``."""
     P = inspect.Parameter
     params = [P("self", P.POSITIONAL_OR_KEYWORD), P("dataset", P.POSITIONAL_OR_KEYWORD)]
+    # shuffle=False and timeout=None mean what torch's None and 0 mean, and are what the
+    # contract's signature says
+    shown = dict(TORCH_POSITIONAL) | {"shuffle": False, "timeout": None}
     params += [P(name, P.POSITIONAL_OR_KEYWORD, default=default)
-               for name, default in TORCH_POSITIONAL]
+               for name, default in shown.items()]
     params += [P(name, P.KEYWORD_ONLY, default=False if name == "persistent_workers" else default)
                for name, default in KEYWORD_ONLY.items()]
     return inspect.Signature(params, return_annotation=None)
