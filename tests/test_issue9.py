@@ -313,7 +313,7 @@ def test_the_sync_face_does_not_run_a_runner_per_batch(num_workers, monkeypatch)
 @pytest.mark.deadline(90)
 def test_set_epoch_for_the_next_epoch_keeps_the_workers():
     loader = aioloader.DataLoader(S.Records(32), batch_size=4, shuffle=True, seed=3,
-                                  num_workers=2, quiet=True)
+                                  num_workers=2, persistent_workers=True, quiet=True)
     pids: list[set[int]] = []
     for epoch in range(3):
         loader.set_epoch(epoch)

@@ -26,5 +26,5 @@ def test_without_ray_the_error_says_how_to_get_it(monkeypatch: pytest.MonkeyPatc
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "ray" else real(name, *a))
-    with pytest.raises(ImportError, match=r"pip install 'aioloader\[ray\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]' in a clone of aioloader"):
         aioloader.DataLoader(Items(4), batch_size=2, worker_type="ray", num_workers=1)

@@ -50,7 +50,7 @@ def gone(pids: set[int]) -> bool:
 
 
 def test_the_first_epoch_runs_in_the_standby_processes() -> None:
-    with spawn_loader(Tagged(10)) as loader:
+    with spawn_loader(Tagged(10), persistent_workers=True) as loader:
         standbys = standby_pids(loader)
         first = list(loader)
         assert pids_of(first) == standbys

@@ -24,7 +24,7 @@ def test_a_slow_worker_shows_as_data_stall_and_its_own_rate() -> None:
     # One worker at 25 ms a sample = 10 batches/s; the step takes 20 ms of the 100 ms a
     # batch costs, so the consumer waits ~80 % of the time.
     loader = aioloader.DataLoader(Paced(24 * BATCH, 0.025), batch_size=BATCH, num_workers=1,
-                                  prefetch=2, quiet=True)
+                                  prefetch=2, persistent_workers=True, quiet=True)
     consume(loader, 0.02)
     stats = loader.stats()
     loader.close()
@@ -42,7 +42,7 @@ def test_a_slow_worker_shows_as_data_stall_and_its_own_rate() -> None:
 def test_a_slow_consumer_shows_almost_no_stall(num_workers: int) -> None:
     # Data is ready long before the 40 ms step ends: waits are tiny.
     loader = aioloader.DataLoader(Paced(20 * BATCH, 0.001), batch_size=BATCH,
-                                  num_workers=num_workers, quiet=True)
+                                  num_workers=num_workers, persistent_workers=True, quiet=True)
     consume(loader, 0.04)
     stats = loader.stats()
     loader.close()

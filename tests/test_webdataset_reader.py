@@ -205,9 +205,11 @@ def test_http_url_reads_in_ranges(shards: Path) -> None:
             seen = [int(i) for b in loader for i in b["cls"]]
         counts = server.requests()
     assert sorted(seen) == list(range(N))
-    # a HEAD for its size, then one GET per 8 KiB: each shard streamed in ranges (a range
-    # retried after a timeout on a loaded machine adds one: at least, never fewer)
-    assert all(counts[name] >= 1 + -(-len(data) // 8192) for name, data in objects.items()), (
+    # a HEAD for its size, then one GET per 8 KiB: each shard streamed in ranges. The last
+    # range may hold only the tar's end-of-archive padding, which is not always asked for
+    # (it depends on how far ahead the reads were when the end marker came); a range
+    # retried after a timeout on a loaded machine adds one.
+    assert all(counts[name] >= -(-len(data) // 8192) for name, data in objects.items()), (
         counts, {name: len(data) for name, data in objects.items()})
 
 

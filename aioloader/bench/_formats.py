@@ -39,7 +39,7 @@ from typing import Any
 
 from ._footprint import Footprint
 from ._runner import MeasurementError, isolated_call
-from ._workloads import _jpegs
+from ._workloads import encoded_jpegs
 
 Result = dict[str, Any]
 FORMATS = "formats"  # the workload's name on the command line
@@ -57,7 +57,7 @@ def write_data(folder: str, quick: bool) -> Result:
     import pyarrow.parquet as pq
 
     shards, per_shard = (QUICK_SHARDS, QUICK_PER_SHARD) if quick else (SHARDS, PER_SHARD)
-    jpegs = _jpegs()
+    jpegs = encoded_jpegs()
     for s in range(shards):
         with tarfile.open(os.path.join(folder, f"shard-{s:06d}.tar"), "w") as tar:
             for k in range(per_shard):

@@ -73,7 +73,7 @@ class ImageAllocDataset(_Sized):
 
 
 @functools.cache
-def _jpegs() -> tuple[bytes, ...]:
+def encoded_jpegs() -> tuple[bytes, ...]:
     """``JPEGS`` photo-like 224x224 JPEGs (gradients, noise, shapes), the same in every process.
 
     Made on first use in each process, so that the dataset itself pickles to nothing.
@@ -119,9 +119,9 @@ class DecodeDataset(_Sized):
     a real dataset's decode cost, a new tensor per sample."""
 
     def __getitem__(self, i: int) -> Sample:
-        from PIL import Image  # present: _jpegs() said so on first use
+        from PIL import Image  # present: encoded_jpegs() said so on first use
 
-        data = _jpegs()[i % JPEGS]
+        data = encoded_jpegs()[i % JPEGS]
         with Image.open(io.BytesIO(data)) as image:
             rgb = image.convert("RGB")
         height, width = IMAGE_SHAPE[1:]

@@ -68,7 +68,7 @@ class FsspecReader(Reader):
                  decode: Callable[[str, bytes], Any] | None = None) -> None:
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be callable, got {type(decode).__name__}")
-        self.urls = None if urls is None else _url_list(urls)
+        self.urls = None if urls is None else url_list(urls)
         self.storage_options = dict(storage_options or {})
         self.decode = decode
 
@@ -92,15 +92,15 @@ class FsspecReader(Reader):
         object or bucket is a ``FileNotFoundError``; an endpoint that cannot be reached a
         ``ConnectionError``; both name the URL.
         """
-        specs = self.urls if self.urls is not None else _url_list(data_path)
-        protocol = _protocol_of(specs)
+        specs = self.urls if self.urls is not None else url_list(data_path)
+        protocol = protocol_of(specs)
         found: set[str] = set()
-        async with _Filesystem(protocol, self.storage_options) as fs:
+        async with Filesystem(protocol, self.storage_options) as fs:
             for spec in specs:
                 if len(specs) > 1 and _GLOB_CHARS.isdisjoint(spec):
                     # A list of objects names its keys: no request per object to list it
                     # (a missing one fails its load, naming it).
-                    found.add(_full_url(fs, _fs_path(fs, spec)))
+                    found.add(_full_url(fs, fs_path(fs, spec)))
                     continue
                 try:
                     urls = await _expand(fs, spec)
@@ -128,7 +128,7 @@ class FsspecReader(Reader):
         async with contextlib.AsyncExitStack() as stack:
 
             async def filesystem(url: str) -> Any:
-                protocol = _protocol_of([url])
+                protocol = protocol_of([url])
                 fs = opened.get(protocol)
                 if fs is None:
                     async with lock:
@@ -137,7 +137,7 @@ class FsspecReader(Reader):
                             # not leave the filesystem's context half entered (a session
                             # opened, its close not yet on the stack).
                             opening.append(asyncio.ensure_future(stack.enter_async_context(
-                                _Filesystem(protocol, self.storage_options))))
+                                Filesystem(protocol, self.storage_options))))
                             opened[protocol] = await asyncio.shield(opening[0])
                         elif protocol not in opened:
                             raise ValueError(f"cannot load {url}: this loading() loads "
@@ -150,9 +150,9 @@ class FsspecReader(Reader):
                     raise RuntimeError(f"cannot load {url}: its loading() context has exited")
                 fs = await filesystem(url)
                 try:
-                    data = await fs._cat_file(_fs_path(fs, url))
+                    data = await fs._cat_file(fs_path(fs, url))
                 except Exception as exc:
-                    translated = _transient(exc, url)
+                    translated = transient(exc, url)
                     if translated is exc:
                         raise
                     raise translated from exc
@@ -167,7 +167,7 @@ class FsspecReader(Reader):
                     await asyncio.gather(*opening, return_exceptions=True)
 
 
-def _url_list(urls: Any) -> list[str]:
+def url_list(urls: Any) -> list[str]:
     if isinstance(urls, (str, os.PathLike)):
         items: list[Any] = [urls]
     elif isinstance(urls, Iterable) and not isinstance(urls, (bytes, bytearray)):
@@ -182,7 +182,7 @@ def _url_list(urls: Any) -> list[str]:
     return out
 
 
-def _protocol_of(urls: list[str]) -> str:
+def protocol_of(urls: list[str]) -> str:
     """The one protocol of ``urls`` (``file`` for plain paths); s3a is s3, https is http."""
     import fsspec
     from fsspec.core import split_protocol
@@ -198,7 +198,7 @@ def _protocol_of(urls: list[str]) -> str:
     return next(iter(classes.values()))
 
 
-class _Filesystem(contextlib.AbstractAsyncContextManager[Any]):
+class Filesystem(contextlib.AbstractAsyncContextManager[Any]):
     """An asynchronous fsspec filesystem in this event loop, its connections closed at exit.
 
     A class, not an ``@asynccontextmanager``: an async generator is also the event loop's to
@@ -210,7 +210,7 @@ class _Filesystem(contextlib.AbstractAsyncContextManager[Any]):
 
     def __init__(self, protocol: str, storage_options: Mapping[str, Any]) -> None:
         self.protocol = protocol
-        self.options = _with_defaults(protocol, dict(storage_options))
+        self.options = with_defaults(protocol, dict(storage_options))
         self._open: Any = None  # the filesystem whose session to close
 
     async def __aenter__(self) -> Any:
@@ -240,7 +240,7 @@ class _Filesystem(contextlib.AbstractAsyncContextManager[Any]):
             await _close(fs)
 
 
-def _with_defaults(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+def with_defaults(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
     if protocol == "s3":
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
@@ -279,7 +279,7 @@ async def _close(fs: Any) -> None:
             await result
 
 
-def _fs_path(fs: Any, url: str) -> str:
+def fs_path(fs: Any, url: str) -> str:
     """What ``fs`` calls the object (the URL for HTTP, ``bucket/key`` for S3)."""
     return str(fs._strip_protocol(url))
 
@@ -292,7 +292,7 @@ def _full_url(fs: Any, path: str) -> str:
 
 async def _expand(fs: Any, spec: str) -> list[str]:
     """The objects ``spec`` names: a glob's matches, a prefix's contents, or the object."""
-    path = _fs_path(fs, spec)
+    path = fs_path(fs, spec)
     http = "http" in _protocols(fs)
     if not _GLOB_CHARS.isdisjoint(path.replace("?", "") if http else path):
         matches = await fs._glob(path, detail=True)
@@ -317,7 +317,7 @@ async def _nothing_found(fs: Any, spec: str, options: Mapping[str, Any]) -> OSEr
     """Why ``spec`` named no object: its bucket is missing, or nothing matches."""
     where = _endpoint(options)
     if hasattr(fs, "_s3creator"):
-        bucket = _fs_path(fs, spec).split("/", 1)[0]
+        bucket = fs_path(fs, spec).split("/", 1)[0]
         try:
             exists = await fs._exists(bucket)
         except Exception:  # noqa: BLE001 -- the listing's error is the one to report
@@ -379,7 +379,7 @@ def _is_connection_failure(exc: BaseException) -> bool:
     return False
 
 
-def _transient(exc: Exception, url: str) -> Exception:
+def transient(exc: Exception, url: str) -> Exception:
     """A botocore transport error as the builtin ConnectionError/TimeoutError; else ``exc``.
 
     So that the loader's retry policy sees one family of errors whatever the filesystem.

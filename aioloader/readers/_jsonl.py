@@ -148,7 +148,7 @@ class JsonLinesReader(Reader):
 
     async def _read(self, data_path: Any, cursor: _Cursor) -> AsyncIterator[Any]:
         files = expand_paths(data_path)
-        shard, shards = _shard()
+        shard, shards = reader_shard()
         by_file = len(files) >= shards
         # Where this pass starts: the file, the offset in it, and the lines before that.
         first_file = offset = file_lines = lines_before = 0
@@ -320,7 +320,7 @@ class _Cursor:
 
 def _start_state() -> dict[str, Any]:
     """The state before any pass: the start of whatever files it reads."""
-    shard, shards = _shard()
+    shard, shards = reader_shard()
     return {"reader": "JsonLinesReader", "version": STATE_VERSION, "shard": shard,
             "shards": shards, "num_files": None, "files_digest": None, "file": 0, "path": None,
             "offset": 0, "file_lines": 0, "lines_before": 0}
@@ -386,7 +386,7 @@ def _check_fits(state: dict[str, Any], files: list[str], shard: int, shards: int
                          f"of {shards}")
 
 
-def _shard() -> tuple[int, int]:
+def reader_shard() -> tuple[int, int]:
     """(shard id, number of shards) of this process: rank x num_workers + worker id."""
     info = get_worker_info()
     if info is not None:

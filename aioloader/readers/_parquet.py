@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._files import expand_paths
-from ._fsspec import _url_list
+from ._fsspec import url_list
 from ._pieces import OnError, PieceReader
 from ._ranges import AHEAD, is_remote
 
@@ -148,7 +148,7 @@ class ParquetReader(PieceReader):
             raise TypeError(f"columns must be a list of column names, got the str {columns!r}")
         if ahead < 1:
             raise ValueError(f"ahead must be at least 1, got {ahead}")
-        self.paths = None if paths is None else _url_list(paths)
+        self.paths = None if paths is None else url_list(paths)
         self.columns = None if columns is None else list(columns)
         self.storage_options = dict(storage_options or {})
         self.batch_rows = batch_rows
@@ -166,7 +166,7 @@ class ParquetReader(PieceReader):
     async def _read(self, data_path: Any, loaded: dict[str, Any] | None,
                     pass_no: int) -> AsyncIterator[Any]:
         skips = self._skips()
-        files = _Files(self.paths if self.paths is not None else _url_list(data_path),
+        files = _Files(self.paths if self.paths is not None else url_list(data_path),
                        self.storage_options)
         await asyncio.to_thread(files.list_and_open)
         pieces = files.pieces
@@ -256,10 +256,10 @@ class _Files:
         if self._fs is None:
             import fsspec
 
-            from ._fsspec import _protocol_of, _with_defaults
+            from ._fsspec import protocol_of, with_defaults
 
-            protocol = _protocol_of(self.specs)
-            self._fs = fsspec.filesystem(protocol, **_with_defaults(
+            protocol = protocol_of(self.specs)
+            self._fs = fsspec.filesystem(protocol, **with_defaults(
                 protocol, dict(self.storage_options)))
         return self._fs
 

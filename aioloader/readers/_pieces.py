@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._sources import Reader
-from ._jsonl import _shard
+from ._jsonl import reader_shard
 
 OnError = Literal["raise", "skip"]
 STATE_VERSION = 1
@@ -24,7 +24,7 @@ STATE_VERSION = 1
 
 def this_shard() -> tuple[int, int]:
     """(shard id, number of shards) of this process: rank x num_workers + worker id."""
-    return _shard()
+    return reader_shard()
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,10 +49,10 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
     async def _filesystem(self, url: str) -> Any:
         async with self._lock:
             if self._fs is None:
-                from ._fsspec import _Filesystem, _protocol_of
+                from ._fsspec import Filesystem, protocol_of
 
                 self._fs = await self._stack.enter_async_context(
-                    _Filesystem(_protocol_of([url]), self.storage_options))
+                    Filesystem(protocol_of([url]), self.storage_options))
         return self._fs
 
     async def ahead(self, url: str, start: int, *, chunk: int, ahead: int,
@@ -80,17 +80,17 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
                 return await asyncio.to_thread(os.pread, fd, end - start, start)
 
             return size, pread, lambda: os.close(fd)
-        from ._fsspec import _fs_path, _transient
+        from ._fsspec import fs_path, transient
 
         fs = await self._filesystem(url)
-        path = _fs_path(fs, url)
+        path = fs_path(fs, url)
         size = int((await fs._info(path))["size"])
 
         async def cat(start: int, end: int) -> bytes:
             try:
                 return bytes(await fs._cat_file(path, start=start, end=end))
             except Exception as exc:
-                translated = _transient(exc, url)
+                translated = transient(exc, url)
                 if translated is exc:
                     raise
                 raise translated from exc

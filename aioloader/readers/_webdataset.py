@@ -20,7 +20,7 @@ from typing import Any
 
 from .._info import get_worker_info
 from .._loads import Retry
-from ._fsspec import _url_list
+from ._fsspec import url_list
 from ._pieces import OnError, PieceReader, Position
 from ._ranges import AHEAD, CHUNK, Ahead, Files, is_remote
 
@@ -280,7 +280,7 @@ def _decode_all(sample: dict[str, Any]) -> dict[str, Any]:
 
 def shard_list(urls: Any) -> list[str]:
     """The shards ``urls`` names, braces expanded, in the order given."""
-    out = [name for item in _url_list(urls) for name in expand_braces(item)]
+    out = [name for item in url_list(urls) for name in expand_braces(item)]
     if len({is_remote(name) and name.split("://", 1)[0] for name in out}) > 1:
         raise ValueError("shards of several protocols: a WebDatasetReader reads from one "
                          "filesystem")
