@@ -38,6 +38,10 @@ from ray_sources import Items, Keys, Lines, mixed_collate  # noqa: E402
 
 import aioloader  # noqa: E402
 
+# Workers as Ray actors, kept between epochs (torch's default for a dataset is False, and
+# these tests read the workers' stats after an epoch).
+RAY: dict[str, Any] = {"worker_type": "ray", "persistent_workers": True}
+
 pytestmark = [pytest.mark.leaks_ok, pytest.mark.deadline(90)]
 
 ON_NODES = {"resources": {"loader": 1}}  # one worker per non-head node
@@ -115,7 +119,7 @@ def test_map_batches_identical_to_process_workers_on_two_nodes(cluster: Cluster)
     common: dict[str, Any] = dict(batch_size=4, shuffle=True, seed=3, num_workers=2,
                                   quiet=True)
     expected, _ = run(aioloader.DataLoader(Items(40), **common))
-    loader = aioloader.DataLoader(Items(40), worker_type="ray", ray_options=ON_NODES,
+    loader = aioloader.DataLoader(Items(40), **RAY, ray_options=ON_NODES,
                                   **common)
     try:
         got = list(loader)
@@ -136,7 +140,7 @@ def test_stream_identical_to_process_workers(cluster: Cluster) -> None:
     common: dict[str, Any] = dict(batch_size=3, shuffle=True, seed=5, num_workers=2,
                                   max_instances_in_memory=6, quiet=True)
     expected, _ = run(aioloader.DataLoader(Lines(30), **common))
-    got, pids = run(aioloader.DataLoader(Lines(30), worker_type="ray", ray_options=ON_NODES,
+    got, pids = run(aioloader.DataLoader(Lines(30), **RAY, ray_options=ON_NODES,
                                          **common))
     assert same(got, expected)
     assert_clean(pids)
@@ -155,7 +159,7 @@ def test_cached_reader_and_load_stage_identical_to_process_workers(cluster: Clus
                       concurrency=4)
         source = Keys(24)
     expected, _ = run(aioloader.DataLoader(source, quiet=True, **common))
-    got, pids = run(aioloader.DataLoader(source, worker_type="ray", quiet=True, **common))
+    got, pids = run(aioloader.DataLoader(source, **RAY, quiet=True, **common))
     assert same(got, expected)
     assert_clean(pids)
 
@@ -177,7 +181,7 @@ def test_actor_killed_mid_epoch_heals_exactly_once_in_order(cluster: Cluster, tm
 
     # (the same batches as Ray workers: the tests above; processes start in no time)
     expected, _ = run(aioloader.DataLoader(source(False), quiet=True, **common))
-    loader = aioloader.DataLoader(source(True), worker_type="ray", ray_options=ON_NODES,
+    loader = aioloader.DataLoader(source(True), **RAY, ray_options=ON_NODES,
                                   max_worker_restarts=1, quiet=True, **common)
     got, pids = run(loader)
     assert os.path.exists(flag)  # an actor did die
@@ -191,7 +195,7 @@ def test_actor_killed_mid_epoch_heals_exactly_once_in_order(cluster: Cluster, tm
 def test_dead_actor_without_restarts_is_worker_died_naming_it(cluster: Cluster,
                                                               tmp_path: Any) -> None:
     loader = aioloader.DataLoader(Items(32, kill_at=9, flag=str(tmp_path / "k")),
-                                  batch_size=4, num_workers=2, worker_type="ray",
+                                  batch_size=4, num_workers=2, **RAY,
                                   ray_options=ON_NODES, quiet=True)
     pids: list[int] = []
     with pytest.raises(aioloader.WorkerDied) as info:
@@ -207,7 +211,7 @@ def test_dead_actor_without_restarts_is_worker_died_naming_it(cluster: Cluster,
 
 
 def test_sync_adapter_moves_ray_batches_to_the_device(cluster: Cluster) -> None:
-    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, worker_type="ray",
+    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, **RAY,
                                   quiet=True)
     try:
         got = list(loader.sync(device="meta"))  # how CPU-only tests see a device move
@@ -220,7 +224,7 @@ def test_sync_adapter_moves_ray_batches_to_the_device(cluster: Cluster) -> None:
 
 def test_worker_exception_is_worker_error_of_its_type(cluster: Cluster) -> None:
     loader = aioloader.DataLoader(Items(16, fail_at=6), batch_size=4, num_workers=2,
-                                  worker_type="ray", quiet=True)
+                                  **RAY, quiet=True)
     with pytest.raises(KeyError) as info:
         try:
             list(loader)
@@ -232,7 +236,7 @@ def test_worker_exception_is_worker_error_of_its_type(cluster: Cluster) -> None:
 
 def test_exact_resume_and_recycling(cluster: Cluster) -> None:
     common: dict[str, Any] = dict(batch_size=4, shuffle=True, seed=7, num_workers=2,
-                                  worker_type="ray", quiet=True)
+                                  **RAY, quiet=True)
     expected, _ = run(aioloader.DataLoader(Items(40), **as_processes(common)))
     first = aioloader.DataLoader(Items(40), max_batches_per_worker=2, **common)
     try:
@@ -253,7 +257,7 @@ def test_exact_resume_and_recycling(cluster: Cluster) -> None:
 @pytest.mark.filterwarnings("ignore::aioloader.ResumeWarning")  # Lines has no state_dict
 def test_stream_resume_and_recycling(cluster: Cluster) -> None:
     common: dict[str, Any] = dict(batch_size=3, shuffle=True, seed=2, num_workers=2,
-                                  max_instances_in_memory=6, worker_type="ray", quiet=True)
+                                  max_instances_in_memory=6, **RAY, quiet=True)
     expected, _ = run(aioloader.DataLoader(Lines(36), **as_processes(common)))
     first = aioloader.DataLoader(Lines(36), max_batches_per_worker=2, **common)
     try:
@@ -274,7 +278,7 @@ def test_stream_resume_and_recycling(cluster: Cluster) -> None:
 async def test_async_for_leaves_the_loop_free_and_close_from_another_task(
         cluster: Cluster) -> None:
     loader = aioloader.DataLoader(Items(400), batch_size=4, num_workers=2,
-                                  worker_type="ray", quiet=True)
+                                  **RAY, quiet=True)
     ticks = 0
     stop = asyncio.Event()
 
@@ -306,7 +310,7 @@ async def test_async_for_leaves_the_loop_free_and_close_from_another_task(
 
 def test_close_from_another_thread_ends_a_waiting_consumer(cluster: Cluster) -> None:
     loader = aioloader.DataLoader(Items(400, sleep=0.05), batch_size=4, num_workers=2,
-                                  worker_type="ray", quiet=True)
+                                  **RAY, quiet=True)
     first = threading.Event()
     ended: list[BaseException] = []
 
@@ -352,7 +356,7 @@ def test_every_kind_of_value_comes_back_as_built(cluster: Cluster, zero_copy: bo
     common: dict[str, Any] = dict(batch_size=4, num_workers=1, collate_fn=mixed_collate,
                                   zero_copy=zero_copy, quiet=True)
     expected, _ = run(aioloader.DataLoader(Items(8), **common))
-    got, pids = run(aioloader.DataLoader(Items(8), worker_type="ray", **common))
+    got, pids = run(aioloader.DataLoader(Items(8), **RAY, **common))
     assert_same_value(got, expected)
     got[0]["t"].add_(1)  # the consumer's own: writable, and valid after the close
     assert torch.equal(got[0]["t"], expected[0]["t"] + 1)
@@ -362,7 +366,7 @@ def test_every_kind_of_value_comes_back_as_built(cluster: Cluster, zero_copy: bo
 def test_a_source_ray_cannot_send_fails_before_any_actor(cluster: Cluster) -> None:
     source = Items(8)
     source.lock = threading.Lock()  # type: ignore[attr-defined]
-    loader = aioloader.DataLoader(source, batch_size=4, num_workers=1, worker_type="ray",
+    loader = aioloader.DataLoader(source, batch_size=4, num_workers=1, **RAY,
                                   quiet=True)
     with pytest.raises(aioloader.SourcePicklingError, match="cannot be sent to Ray actors"):
         try:
@@ -411,7 +415,7 @@ def test_an_actor_that_is_slow_to_start_is_named_with_its_node(cluster: Cluster,
     no room (it said so while workers imported torch on a busy machine)."""
     fifo = str(tmp_path / "start")
     os.mkfifo(fifo)
-    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, worker_type="ray",
+    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, **RAY,
                                   worker_init_fn=functools.partial(ray_sources.wait_for_a_writer,
                                                                    fifo), quiet=True)
     pids: list[int] = []
@@ -439,7 +443,7 @@ def test_an_actor_that_is_slow_to_start_is_named_with_its_node(cluster: Cluster,
 
 def test_an_actor_no_node_can_take_is_named_with_what_it_asks(cluster: Cluster,
                                                               said: _Said) -> None:
-    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, worker_type="ray",
+    loader = aioloader.DataLoader(Items(8), batch_size=4, num_workers=1, **RAY,
                                   ray_options={"resources": {"nowhere": 1}}, quiet=True)
 
     async def until_warned() -> str:
@@ -459,7 +463,7 @@ def test_an_actor_no_node_can_take_is_named_with_what_it_asks(cluster: Cluster,
 def test_lost_node_heals_on_another_node(cluster: Cluster) -> None:
     """Last in the module: it adds a spare node and takes a worker's node away."""
     common: dict[str, Any] = dict(batch_size=4, seed=4, num_workers=2, shuffle=True,
-                                  max_instances_in_memory=8, worker_type="ray",
+                                  max_instances_in_memory=8, **RAY,
                                   ray_options=ON_NODES, quiet=True)
     expected, _ = run(aioloader.DataLoader(Lines(160), **as_processes(common)))
     spare = cluster.add_node(num_cpus=1, resources={"loader": 1})

@@ -57,6 +57,10 @@ from torch.utils.data import Dataset  # noqa: E402
 import aioloader  # noqa: E402
 from aioloader.testing import describe_pids, members  # noqa: E402
 
+# Workers as Ray actors, kept between epochs (torch's default for a dataset is False, and
+# these tests read the workers' stats after an epoch).
+RAY: dict[str, Any] = {"worker_type": "ray", "persistent_workers": True}
+
 pytestmark = [pytest.mark.leaks_ok, pytest.mark.deadline(90)]
 
 TAG = "AIOLOADER_GAPS_TAG"
@@ -191,7 +195,7 @@ async def test_backpressure_at_most_prefetch_batches_per_worker(by_value: Cluste
     log = str(tmp_path / "built")
     prefetch, workers, taken = 2, 2, 3
     common: dict[str, Any] = dict(batch_size=4, num_workers=workers, prefetch=prefetch,
-                                  collate_fn=CountingCollate(log), worker_type="ray",
+                                  collate_fn=CountingCollate(log), **RAY,
                                   ray_options=ON_NODES, quiet=True)
     if kind == "map":
         loader = aioloader.DataLoader(Big(400), **common)
@@ -236,7 +240,7 @@ def test_death_before_the_first_reply_heals_within_restarts(by_value: Cluster,
     expected, _ = run(processes)
     assert processes.stats().restarts == 1  # the reference: worker processes heal it
     loader = aioloader.DataLoader(Items(32), worker_init_fn=KillOnce(str(tmp_path / "r")),
-                                  worker_type="ray", ray_options=ON_NODES, **common)
+                                  **RAY, ray_options=ON_NODES, **common)
     failure = None
     try:
         got, pids = run(loader)
@@ -253,7 +257,7 @@ def test_death_before_the_first_reply_leaves_no_object_after_close(by_value: Clu
                                                                    tmp_path: Any,
                                                                    collected: None) -> None:
     loader = aioloader.DataLoader(Items(32), worker_init_fn=KillOnce(str(tmp_path / "k")),
-                                  batch_size=4, num_workers=2, worker_type="ray",
+                                  batch_size=4, num_workers=2, **RAY,
                                   ray_options=ON_NODES, quiet=True)
     message = ""
     pids: list[int] = []
@@ -277,7 +281,7 @@ def test_actor_killed_from_outside_mid_epoch_heals_in_order(cluster: Cluster) ->
     common: dict[str, Any] = dict(batch_size=4, shuffle=True, seed=9, num_workers=2,
                                   quiet=True)
     expected, _ = run(aioloader.DataLoader(Items(80), **common))
-    loader = aioloader.DataLoader(Items(80), worker_type="ray", ray_options=ON_NODES,
+    loader = aioloader.DataLoader(Items(80), **RAY, ray_options=ON_NODES,
                                   max_worker_restarts=1, **common)
     got: list[dict[str, Any]] = []
     pids: list[int] = []
@@ -301,7 +305,7 @@ def test_actor_killed_from_outside_mid_epoch_heals_in_order(cluster: Cluster) ->
 
 
 def test_worker_died_names_the_node_host_and_pid(cluster: Cluster) -> None:  # noqa: F811
-    loader = aioloader.DataLoader(Items(80), batch_size=4, num_workers=2, worker_type="ray",
+    loader = aioloader.DataLoader(Items(80), batch_size=4, num_workers=2, **RAY,
                                   ray_options=ON_NODES, quiet=True)
     pids: list[int] = []
     try:
@@ -332,7 +336,7 @@ def test_ray_options_reach_the_actors(by_value: Cluster) -> None:
     target = sorted(by_value.loader_nodes)[0]  # type: ignore[attr-defined]
     options = {"num_cpus": 0.5, "runtime_env": {"env_vars": {TAG: "gaps"}},
                "scheduling_strategy": NodeAffinitySchedulingStrategy(target, soft=False)}
-    loader = aioloader.DataLoader(Where(16), batch_size=4, num_workers=2, worker_type="ray",
+    loader = aioloader.DataLoader(Where(16), batch_size=4, num_workers=2, **RAY,
                                   ray_options=options, quiet=True)
     try:
         got = list(loader)
@@ -348,7 +352,7 @@ def test_ray_options_reach_the_actors(by_value: Cluster) -> None:
 def test_samples_themselves_are_read_on_two_nodes(by_value: Cluster) -> None:
     """The node each sample was read on, as the sample itself reports it (Ray's runtime
     context in ``__getitem__``), not as the stats say."""
-    loader = aioloader.DataLoader(Where(32), batch_size=4, num_workers=2, worker_type="ray",
+    loader = aioloader.DataLoader(Where(32), batch_size=4, num_workers=2, **RAY,
                                   ray_options=ON_NODES, quiet=True)
     got, pids = run(loader)
     read_on = {n for b in got for n in b["node"]}
@@ -362,7 +366,7 @@ def test_stats_report_busy_node_and_rate(cluster: Cluster) -> None:  # noqa: F81
     """Actors that sleep 40 ms a batch for a consumer that takes at once: busy most of
     the time they live (and never more than all of it)."""
     loader = aioloader.DataLoader(Items(64, sleep=0.01), batch_size=4, num_workers=2,
-                                  worker_type="ray", ray_options=ON_NODES, quiet=True)
+                                  **RAY, ray_options=ON_NODES, quiet=True)
     try:
         list(loader)
         workers = loader.stats().workers
@@ -380,7 +384,7 @@ def test_stats_report_busy_node_and_rate(cluster: Cluster) -> None:  # noqa: F81
 
 def test_a_loader_nobody_closed_is_closed_by_the_garbage_collector(
         cluster: Cluster) -> None:  # noqa: F811
-    loader = aioloader.DataLoader(Items(400), batch_size=4, num_workers=2, worker_type="ray",
+    loader = aioloader.DataLoader(Items(400), batch_size=4, num_workers=2, **RAY,
                                   quiet=True)
     it = iter(loader)
     next(it)
