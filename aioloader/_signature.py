@@ -138,7 +138,8 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, 
         raise TypeError("DataLoader() missing 1 required argument: 'dataset' (a torch "
                         "Dataset or IterableDataset) or 'reader' (an object with "
                         "read(data_path))")
-    positional = READER_POSITIONAL if classify(source) is Kind.READER else TORCH_POSITIONAL
+    kind = classify(source)
+    positional = READER_POSITIONAL if kind is Kind.READER else TORCH_POSITIONAL
     if positional is TORCH_POSITIONAL and args == (None,) and "batch_size" in kwargs:
         # AllenNLP's form for a dataset, DataLoader(dataset, None, batch_size=...): the None
         # is its data_path, which a dataset does not read (torch would refuse the call)
@@ -149,7 +150,7 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, 
                 "num_workers, collate_fn, pin_memory, drop_last, timeout, worker_init_fn, "
                 "multiprocessing_context, generator, *, ...)")
         raise TypeError(f"DataLoader() takes at most {len(positional) + 1} positional "
-                        f"arguments for a {classify(source).value} ({form}), "
+                        f"arguments for a {kind.value} ({form}), "
                         f"{len(args) + 1} were given; pass the others by name")
     given = dict(zip((name for name, _ in positional), args, strict=False))
     if clash := sorted(given.keys() & kwargs.keys()):
@@ -167,10 +168,10 @@ def torch_form() -> inspect.Signature:
     P = inspect.Parameter
     params = [P("self", P.POSITIONAL_OR_KEYWORD), P("dataset", P.POSITIONAL_OR_KEYWORD)]
     # shuffle=False and timeout=None mean what torch's None and 0 mean, and are what the
-    # contract's signature says
+    # contract's signature says; persistent_workers is a dataset's (torch's) False
     shown = dict(TORCH_POSITIONAL) | {"shuffle": False, "timeout": None}
+    keywords = KEYWORD_ONLY | {"persistent_workers": False}
     params += [P(name, P.POSITIONAL_OR_KEYWORD, default=default)
                for name, default in shown.items()]
-    params += [P(name, P.KEYWORD_ONLY, default=False if name == "persistent_workers" else default)
-               for name, default in KEYWORD_ONLY.items()]
+    params += [P(name, P.KEYWORD_ONLY, default=default) for name, default in keywords.items()]
     return inspect.Signature(params, return_annotation=None)
