@@ -197,6 +197,7 @@ def test_stream_error_waits_its_turn(face: str) -> None:
 
 
 LEFTOVERS = textwrap.dedent("""
+    import faulthandler
     import gc
     import sys
     import weakref
@@ -206,12 +207,17 @@ LEFTOVERS = textwrap.dedent("""
 
     import aioloader
 
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, before the deadline
+    collected = False
+
     class Items(torch.utils.data.Dataset):
         def __len__(self):
             return 32
 
         def __getitem__(self, i):
-            if aioloader.get_worker_info() is not None:
+            global collected
+            if aioloader.get_worker_info() is not None and not collected:
+                collected = True  # once a worker (a forked child keeps its own flag)
                 gc.collect()  # our worker's GC runs: it must find nothing inherited to end
             return torch.tensor([i])
 
@@ -258,7 +264,7 @@ def test_forked_workers_leave_inherited_objects_alone(tmp_path: Path) -> None:
     script = tmp_path / "leftovers.py"
     script.write_text(LEFTOVERS)
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=115)
     assert done.returncode == 0, done.stderr
     assert "epochs done" in done.stdout
     assert "can only test a child process" not in done.stderr, done.stderr

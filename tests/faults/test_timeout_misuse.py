@@ -74,8 +74,10 @@ def test_timeout_without_workers() -> None:
 
 
 def test_loader_usable_after_timeout() -> None:
+    # The timeout covers the next session's start too (fresh workers, as torch's does): on
+    # a loaded 2-core box their first batch took more than 1 s (CI).
     reader = SlowReader(20, stall_at=6, worker=0)
-    loader = aioloader.DataLoader(reader, batch_size=2, num_workers=2, timeout=TIMEOUT,
+    loader = aioloader.DataLoader(reader, batch_size=2, num_workers=2, timeout=8 * TIMEOUT,
                                   max_instances_in_memory=8, quiet=True)
     with pytest.raises(aioloader.LoaderTimeoutError):
         consume(loader, "async")
