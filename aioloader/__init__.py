@@ -5,8 +5,6 @@ blocked waiting for them. ``async for batch in loader`` in async code, ``for bat
 loader`` (or ``loader.sync(device=...)``) everywhere else.
 """
 
-from ._bars import shows_bars
-from ._collate import PadCollate, default_collate
 from ._errors import (
     ArgumentTypeError,
     CollateKeyError,
@@ -24,11 +22,13 @@ from ._errors import (
 )
 from ._info import WorkerInfo, get_worker_info
 from ._loader import DataLoader
-from ._loads import Retry, SkippedLoad
-from ._samplers import BatchSampler, BucketBatchSampler
-from ._sources import Reader
 from ._stats import ArenaStats, LoaderStats, WorkerStats
-from ._sync import SyncLoader
+from .pipeline._collate import PadCollate, default_collate
+from .pipeline._loads import Retry, SkippedLoad
+from .plans._samplers import BatchSampler, BucketBatchSampler
+from .plans._sources import Reader
+from .run._bars import shows_bars
+from .run._sync import SyncLoader
 
 __all__ = [
     "ArenaStats",

@@ -16,15 +16,15 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 import torch.utils.data
 
-from ._collate import Unbatched
-from ._device import can_pin
-from ._distributed import Topology, topology
 from ._errors import FixedOptionError
-from ._loads import LoadOptions, Retry, load_options
 from ._options import check_each, check_load_rules, check_rules
-from ._pipeline import BatchOptions
-from ._samplers import BatchSampler
-from ._sources import Kind, classify, splits_itself
+from .pipeline._collate import Unbatched
+from .pipeline._loads import LoadOptions, Retry, load_options
+from .pipeline._pipeline import BatchOptions
+from .plane._device import can_pin
+from .plans._distributed import Topology, topology
+from .plans._samplers import BatchSampler
+from .plans._sources import Kind, classify, splits_itself
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,16 @@ from typing import Any, Generic, TypeVar, Unpack, overload
 
 import torch
 
-from ._backstop import backstop
 from ._config import LoaderConfig, Option, build_config, fixed
-from ._device import DeviceLike, as_device
-from ._epoch import Epoch, EpochSetter
-from ._loads import Retry, SkippedLoad
-from ._run import Run
 from ._signature import LoaderOptions, ReaderOptions, bind, torch_form
-from ._sources import SupportsRead
 from ._stats import LoaderStats, stats_to_stderr
-from ._sync import SyncLoader
+from .pipeline._loads import Retry, SkippedLoad
+from .plane._device import DeviceLike, as_device
+from .plans._sources import SupportsRead
+from .run._backstop import backstop
+from .run._epoch import Epoch, EpochSetter
+from .run._run import Run
+from .run._sync import SyncLoader
 
 T_co = TypeVar("T_co", covariant=True)
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ._device import DeviceLike, as_device
 from ._errors import ArgumentTypeError
-from ._loads import LoadOptions, Retry
-from ._samplers import BatchSampler
-from ._sources import Kind
+from .pipeline._loads import LoadOptions, Retry
+from .plane._device import DeviceLike, as_device
+from .plans._samplers import BatchSampler
+from .plans._sources import Kind
 
 START_METHODS = ("fork", "spawn", "forkserver")
 WORKER_TYPES = ("process", "thread", "ray")

@@ -18,9 +18,9 @@ from typing import Any, TypedDict
 
 import torch
 
-from ._device import DeviceLike
-from ._loads import Retry
-from ._sources import Kind, classify
+from .pipeline._loads import Retry
+from .plane._device import DeviceLike
+from .plans._sources import Kind, classify
 
 
 class LoaderOptions(TypedDict, total=False):

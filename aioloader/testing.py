@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._info import get_worker_info
-from ._sources import Reader
+from .plans._sources import Reader
 
 __all__ = [
     "AsyncFailingReader",

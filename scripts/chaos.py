@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 import aioloader
-from aioloader._worker import ORPHAN_GRACE
 from aioloader.testing import descendants, is_helper, members
+from aioloader.workers._worker import ORPHAN_GRACE
 
 N = 96  # keys a pass; batches of BATCH
 BATCH = 4

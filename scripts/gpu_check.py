@@ -114,7 +114,7 @@ def host_allocs() -> int | None:
 
 
 def correct_and_no_pinned_growth(report: Report) -> None:
-    from aioloader import _staging
+    from aioloader.plane import _staging
 
     n = 40 * BATCH
     with ours(n) as loader:

@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aioloader import FrameTooLargeError
-from aioloader import _wire as wire
-from aioloader._arena import ArenaMap, SlotFull, SlotWriter, align, create_file
-from aioloader._codec import copied_from, decode, encode, tensors_nbytes
+from aioloader.plane import _wire as wire
+from aioloader.plane._arena import ArenaMap, SlotFull, SlotWriter, align, create_file
+from aioloader.plane._codec import copied_from, decode, encode, tensors_nbytes
 
 SLOT = 1 << 20
 

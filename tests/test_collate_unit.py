@@ -1,4 +1,5 @@
-"""Unit tests of aioloader._collate: parity with torch's default_collate, allocator, PadCollate."""
+"""Unit tests of aioloader.pipeline._collate: parity with torch's default_collate, allocator,
+PadCollate."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 import torch
 from torch.utils.data import default_collate as torch_collate
 
-from aioloader._collate import (
+from aioloader._errors import CollateKeyError
+from aioloader.pipeline._collate import (
     SPLIT_BYTES,
     PadCollate,
     copy_helper,
@@ -25,8 +27,7 @@ from aioloader._collate import (
     new_tensor,
     use_allocator,
 )
-from aioloader._errors import CollateKeyError
-from aioloader._recycle import Recycler
+from aioloader.pipeline._recycle import Recycler
 
 # ------------------------------------------------------------------------------ helpers
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.deadline(120),
 SCRIPT = textwrap.dedent("""
     import multiprocessing.forkserver
     import aioloader
-    from aioloader._starting import STARTER
+    from aioloader.workers._starting import STARTER
     from preload_source import Pids
 
     loader = aioloader.DataLoader(Pids(), batch_size=2, num_workers=2,

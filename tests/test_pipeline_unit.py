@@ -1,4 +1,4 @@
-"""The pipeline driven directly: no DataLoader, no process (aioloader/_pipeline.py).
+"""The pipeline driven directly: no DataLoader, no process (aioloader/pipeline/_pipeline.py).
 
 Source → loads → batcher → collate, as the in-process producers iterate it and as a worker's
 ``serve()`` wraps it with its wire (run here on this loop, over a socketpair); and the
@@ -22,14 +22,11 @@ import torch.utils.data._utils.collate as torch_collate
 import torch.utils.data._utils.worker as torch_worker
 
 import aioloader
-from aioloader import _wire as wire
-from aioloader._collate import TORCH_COLLATE_IN_THREADS
 from aioloader._config import Workers
-from aioloader._dataplane import Shelf
 from aioloader._info import TORCH_INFO_PER_THREAD, Patch, WorkerInfo, set_worker_info
-from aioloader._loads import ALL_SKIPPED, LoadOptions, Retry, SkipLog
-from aioloader._local import LocalIndex, LocalInstances, LocalStream
-from aioloader._pipeline import (
+from aioloader.pipeline._collate import TORCH_COLLATE_IN_THREADS
+from aioloader.pipeline._loads import ALL_SKIPPED, LoadOptions, Retry, SkipLog
+from aioloader.pipeline._pipeline import (
     INSTANCE_CHUNK,
     Batch,
     BatchOptions,
@@ -38,10 +35,13 @@ from aioloader._pipeline import (
     Pipeline,
     each,
 )
-from aioloader._position import BlockStart, ShardPosition, ShardTracker
-from aioloader._session import PassDone
-from aioloader._sources import Kind
-from aioloader._worker import WorkerSpec, serve
+from aioloader.plane import _wire as wire
+from aioloader.plane._dataplane import Shelf
+from aioloader.plans._position import BlockStart, ShardPosition, ShardTracker
+from aioloader.plans._sources import Kind
+from aioloader.workers._local import LocalIndex, LocalInstances, LocalStream
+from aioloader.workers._steps import PassDone
+from aioloader.workers._worker import WorkerSpec, serve
 
 pytestmark = pytest.mark.deadline(60)
 

@@ -1,4 +1,5 @@
-"""Unit tests of aioloader._planning: epoch plans are pure, cover the data, and shard by policy."""
+"""Unit tests of aioloader.plans._planning: epoch plans are pure, cover the data, and shard by
+policy."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler as TorchBatchSampler
 from torch.utils.data import DistributedSampler, SequentialSampler
 
-from aioloader._distributed import shard_indices, shard_order, share_size
-from aioloader._planning import (
+from aioloader.plans._distributed import shard_indices, shard_order, share_size
+from aioloader.plans._planning import (
     PlanSpec,
     Sharding,
     count_batches,
@@ -27,7 +28,12 @@ from aioloader._planning import (
     sharding,
     worker_seed,
 )
-from aioloader._samplers import BucketBatchSampler, derive_seed, index_batches, torch_generator
+from aioloader.plans._samplers import (
+    BucketBatchSampler,
+    derive_seed,
+    index_batches,
+    torch_generator,
+)
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -96,7 +102,7 @@ def test_the_shuffle_is_randperm_seeded_from_seed_and_epoch() -> None:
 
 def test_a_plan_is_the_same_in_another_process() -> None:
     code = (
-        "from aioloader._planning import PlanSpec, plan_epoch\n"
+        "from aioloader.plans._planning import PlanSpec, plan_epoch\n"
         "spec = PlanSpec(batch_size=5, shuffle=True, seed=99, rank=1, world_size=3)\n"
         "print(plan_epoch(spec, range(103), 4, shared=True))"
     )

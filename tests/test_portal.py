@@ -1,4 +1,4 @@
-"""The sync adapter's portal (``aioloader._portal``): a coroutine run to its end per call, on a
+"""The sync adapter's portal (``aioloader.run._portal``): a coroutine run to its end per call, on a
 loop kept between calls, which the call's coroutine stops itself in the turn that ends it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from aioloader._portal import Portal
+from aioloader.run._portal import Portal
 
 
 async def _after_turns(n: int) -> int:

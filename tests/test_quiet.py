@@ -20,7 +20,7 @@ import types
 
 import pytest
 
-from aioloader._bars import shows_bars
+from aioloader.run._bars import shows_bars
 
 TIMEOUT = 120.0
 

@@ -399,7 +399,7 @@ class _Said(logging.Handler):
 @pytest.fixture
 def said(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Said]:
     """Warnings of aioloader, with an actor's patience to start cut to a blink."""
-    monkeypatch.setattr("aioloader._ray.PLACEMENT_PATIENCE", 0.05)
+    monkeypatch.setattr("aioloader.workers._ray.PLACEMENT_PATIENCE", 0.05)
     handler, log = _Said(), logging.getLogger("aioloader")
     log.addHandler(handler)
     try:

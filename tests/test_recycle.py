@@ -1,4 +1,4 @@
-"""Reused memory for batches built in this process (``aioloader._recycle``, issue 23): a
+"""Reused memory for batches built in this process (``aioloader.pipeline._recycle``, issue 23): a
 buffer goes back only once nothing of its tensor is left, wherever that is dropped; batches
 a user keeps never change; each large tensor has a storage of its own size."""
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import aioloader
-from aioloader._collate import default_collate, use_allocator
-from aioloader._recycle import KEEP, MIN_BYTES, Recycler
+from aioloader.pipeline._collate import default_collate, use_allocator
+from aioloader.pipeline._recycle import KEEP, MIN_BYTES, Recycler
 
 LARGE = (3, 224, 224)  # 150 KB of uint8: 64 of them make a 9.6 MB batch
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from aioloader import BucketBatchSampler, ResumeError
-from aioloader._planning import PlanSpec, global_order, plan_epoch
-from aioloader._reshape import Progress, held, local_plan, split_plan
+from aioloader.plans._planning import PlanSpec, global_order, plan_epoch
+from aioloader.plans._reshape import Progress, held, local_plan, split_plan
 
 
 def flat(batches: Any) -> list[int]:

@@ -1,4 +1,5 @@
-"""Unit tests of aioloader._samplers: index plans, shuffles, Batcher, BucketBatchSampler, seeds."""
+"""Unit tests of aioloader.plans._samplers: index plans, shuffles, Batcher, BucketBatchSampler,
+seeds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader._samplers import (
+from aioloader.plans._samplers import (
     Batcher,
     BatchSampler,
     BucketBatchSampler,
@@ -66,7 +67,7 @@ def test_derive_seed_is_the_same_in_another_process() -> None:
     import subprocess
     import sys
 
-    code = "from aioloader._samplers import derive_seed; print(derive_seed(7, 1, 2, 3))"
+    code = "from aioloader.plans._samplers import derive_seed; print(derive_seed(7, 1, 2, 3))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )

@@ -15,9 +15,10 @@ import pytest
 
 import aioloader
 from aioloader import LoaderClosedError, LoaderTimeoutError
-from aioloader._run import Phase, Run
-from aioloader._session import Delivered, PassDone, Session, State, Step
 from aioloader._stats import NO_ARENA, ArenaStats, WorkerStats
+from aioloader.run._run import Phase, Run
+from aioloader.run._session import Session, State
+from aioloader.workers._steps import Delivered, PassDone, Step
 
 
 class FakeProducer:

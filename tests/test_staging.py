@@ -26,7 +26,7 @@ import torch
 
 import aioloader
 from aioloader import _config, _epoch, _staging
-from aioloader._staging import SLOTS, Stager
+from aioloader.plane._staging import SLOTS, Stager
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAKE_DEVICE = torch.device("meta")  # what the fake calls its device: tensors there pass through
@@ -440,7 +440,7 @@ def test_meta_targets_use_plain_moves(num_workers: int, face: str,
 
 
 def test_move_to_keeps_dataclasses_and_moves_their_tensors() -> None:
-    from aioloader._device import move_to
+    from aioloader.plane._device import move_to
 
     moved = move_to(rich([1, 2]), torch.device("meta"))
     want = rich([1, 2])

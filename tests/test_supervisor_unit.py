@@ -1,4 +1,4 @@
-"""The supervisor in-process: a worker's phases as pure transitions (aioloader/_phases.py),
+"""The supervisor in-process: a worker's phases as pure transitions (aioloader/workers/_phases.py),
 and a real Supervisor driven over real sockets by scripted fake workers (no process)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any, cast
 
 import pytest
 
-from aioloader import _supervisor
-from aioloader import _wire as wire
-from aioloader._dataplane import Shelf
 from aioloader._errors import LoaderClosedError, WorkerDied, WorkerError
-from aioloader._phases import (
+from aioloader.plane import _wire as wire
+from aioloader.plane._dataplane import Shelf
+from aioloader.workers import _supervisor
+from aioloader.workers._phases import (
     CountDeath,
     Deliver,
     EndPass,
@@ -29,7 +29,7 @@ from aioloader._phases import (
     WorkerLost,
     WorkerState,
 )
-from aioloader._supervisor import Ended, Received, Supervisor
+from aioloader.workers._supervisor import Ended, Received, Supervisor
 
 pytestmark = pytest.mark.deadline(30)
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader import _wire as wire
-from aioloader._arena import ArenaMap, Lease, SlotFull, SlotWriter, create_file
-from aioloader._codec import copied_from, decode, encode
+from aioloader.plane import _wire as wire
+from aioloader.plane._arena import ArenaMap, Lease, SlotFull, SlotWriter, create_file
+from aioloader.plane._codec import copied_from, decode, encode
 
 messages = st.one_of(
     st.builds(wire.Release, st.integers(0, 64)),

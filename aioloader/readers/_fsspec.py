@@ -9,7 +9,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
-from .._sources import Reader
+from ..plans._sources import Reader
 
 CONNECT_TIMEOUT = 5.0  # seconds; botocore's default is 60 and aiohttp's 30: fail fast instead
 POOL_SIZE = 1024  # connections per filesystem: the loader's `concurrency` is the real bound

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._info import get_worker_info
-from .._sources import Reader
+from ..plans._sources import Reader
 from ._files import CHUNK_SIZE, ByteSource, TruncatedGzipError, expand_paths
 
 _DECODE = json.JSONDecoder().decode  # what json.loads(str) calls, minus its checks

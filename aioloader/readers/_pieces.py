@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._sources import Reader
+from ..plans._sources import Reader
 from ._jsonl import reader_shard
 
 OnError = Literal["raise", "skip"]

@@ -17,7 +17,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._loads import Retry
+from ..pipeline._loads import Retry
 
 Fetch = Callable[[int, int], Awaitable[bytes]]  # bytes [start, end) of the file
 CHUNK = 4 << 20

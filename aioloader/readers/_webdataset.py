@@ -19,7 +19,7 @@ from collections.abc import (
 from typing import Any
 
 from .._info import get_worker_info
-from .._loads import Retry
+from ..pipeline._loads import Retry
 from ._fsspec import url_list
 from ._pieces import OnError, PieceReader, Position
 from ._ranges import AHEAD, CHUNK, Ahead, Files, is_remote

@@ -2,9 +2,9 @@
 
 The supervisor runs a thread worker as it runs a process: :class:`ThreadWorker` has the
 part of ``multiprocessing.Process`` it uses (start, pid, a sentinel fd, exitcode, join,
-terminate, kill, close), and the worker is the same :func:`~aioloader._worker.serve`
+terminate, kill, close), and the worker is the same :func:`~aioloader.workers._worker.serve`
 coroutine on the other end of a ``socketpair``, on its own event loop. Only the data plane
-differs: batches go by reference (:class:`~aioloader._dataplane.Shelf`), not through an
+differs: batches go by reference (:class:`~aioloader.plane._dataplane.Shelf`), not through an
 arena.
 
 Threads cannot be killed. ``terminate()`` cancels the worker's serving task on its loop, so
@@ -23,10 +23,10 @@ import threading
 import weakref
 from collections.abc import Iterator
 
-from . import _loops
-from ._collate import TORCH_COLLATE_IN_THREADS
-from ._dataplane import Shelf
-from ._info import TORCH_INFO_PER_THREAD
+from .. import _loops
+from .._info import TORCH_INFO_PER_THREAD
+from ..pipeline._collate import TORCH_COLLATE_IN_THREADS
+from ..plane._dataplane import Shelf
 from ._worker import WorkerSpec, serve
 
 log = logging.getLogger("aioloader")

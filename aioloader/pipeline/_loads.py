@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 import torch
 
-from ._errors import LoadError
-from ._sources import Kind, aclose
-from ._sources import fetch as fetch_items
+from .._errors import LoadError
+from ..plans._sources import Kind, aclose
+from ..plans._sources import fetch as fetch_items
 
 log = logging.getLogger("aioloader")
 

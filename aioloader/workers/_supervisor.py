@@ -7,11 +7,11 @@ EOF and on process exit. Readers are attached only while an epoch runs, so a ses
 outlive one event loop and serve the next.
 
 Decide, then await: which phase each worker is in and what a message, an exit or a
-consumer's request leads to is the :class:`~aioloader._phases.Roster`'s, pure and
+consumer's request leads to is the :class:`~aioloader.workers._phases.Roster`'s, pure and
 synchronous; the supervisor executes its actions and does the I/O and the awaiting around
-them. Starting and stopping processes is aioloader/_starting.py's. Batches reach sessions as
+them. Starting and stopping processes is aioloader/workers/_starting.py's. Batches reach sessions as
 :class:`Received` values and :class:`Ended` passes, through each worker's
-:class:`~aioloader._dataplane.SlotLedger`; the supervisor has no batch logic of its own.
+:class:`~aioloader.plane._dataplane.SlotLedger`; the supervisor has no batch logic of its own.
 Thread workers (``_threads.ThreadWorker``) go through the same paths: a handle that looks
 like a process, a socket, and a ledger of batches by reference.
 """
@@ -31,10 +31,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, overload
 
-from . import _wire as wire
-from ._dataplane import Ledger, RefLedger, Shelf, SlotLedger
-from ._errors import BatchFailure, WorkerDied, WorkerError, describe_exit, worker_error_for
-from ._loads import SkipLog, SkippedLoad
+from .._errors import BatchFailure, WorkerDied, WorkerError, describe_exit, worker_error_for
+from .._stats import ArenaStats, WorkerStats
+from ..pipeline._loads import SkipLog, SkippedLoad
+from ..plane import _wire as wire
+from ..plane._dataplane import Ledger, RefLedger, Shelf, SlotLedger
+from ..plans._position import ShardPosition
 from ._phases import (
     ALIVE,
     Deliver,
@@ -48,7 +50,6 @@ from ._phases import (
     Switch,
     WorkerState,
 )
-from ._position import ShardPosition
 from ._starting import (
     EXIT_GRACE,
     Handle,
@@ -64,7 +65,6 @@ from ._starting import (
     start_worker,
     stop_processes,
 )
-from ._stats import ArenaStats, WorkerStats
 from ._threads import ThreadWorker
 from ._worker import WorkerSpec
 
@@ -266,8 +266,9 @@ class Supervisor:
             self._start_successor(then)
 
     async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None:
-        """Replace worker ``worker_id``, which died (:class:`~aioloader._phases.WorkerLost`),
-        by a new process with the same shard and seeds; a stream's starts at ``start``."""
+        """Replace worker ``worker_id``, which died
+        (:class:`~aioloader.workers._phases.WorkerLost`), by a new process with the same shard
+        and seeds; a stream's starts at ``start``."""
         spec = self.spec.for_worker(worker_id)
         if start is not None:
             spec = spec.starting_at(start, self.num_workers)
@@ -418,7 +419,7 @@ class Supervisor:
         Raises the session's first failure, or :class:`LoaderClosedError` once closed.
         A worker's own exception waits in its inbox: it is raised (and becomes the
         session's failure) when it is that worker's turn, so earlier batches come first.
-        A worker that died is :class:`~aioloader._phases.WorkerLost` once what it sent
+        A worker that died is :class:`~aioloader.workers._phases.WorkerLost` once what it sent
         before is taken.
         """
         while True:

@@ -1,6 +1,6 @@
 """The sync adapter: drives the async loader from plain code; it adds nothing of its own.
 
-Each step runs on the loader's :class:`~aioloader._portal.Portal`, an event loop kept for the
+Each step runs on the loader's :class:`~aioloader.run._portal.Portal`, an event loop kept for the
 loader's lifetime.
 """
 
@@ -11,10 +11,10 @@ from typing import Any, Protocol
 
 import torch
 
+from .._loops import running_loop
+from ..plane._staging import consumer_stream, handing_to
 from ._backstop import backstop, drop_backstop
-from ._loops import running_loop
 from ._portal import Portal
-from ._staging import consumer_stream, handing_to
 
 
 class Ending(Protocol):

@@ -9,15 +9,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._config import LoaderConfig
-from ._distributed import all_reduce
-from ._errors import ResumeError
-from ._loads import LoadOptions, SkipLog
-from ._local import LocalIndex, LocalInstances, LocalStream
-from ._phases import RestartBudget
-from ._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
-from ._position import PASS_START, Frontier, Level, ShardPosition, StreamPosition
-from ._producers import (
+from .._config import LoaderConfig
+from .._errors import ResumeError
+from ..pipeline._loads import LoadOptions, SkipLog
+from ..plans._distributed import all_reduce
+from ..plans._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
+from ..plans._position import PASS_START, Frontier, Level, ShardPosition, StreamPosition
+from ..plans._reshape import local_plan, split_plan
+from ..plans._sources import Kind, splits_itself
+from ..plans._state import ResumePoint
+from ..workers._local import LocalIndex, LocalInstances, LocalStream
+from ..workers._phases import RestartBudget
+from ..workers._producers import (
     CachedInstances,
     Plan,
     Pool,
@@ -25,14 +28,11 @@ from ._producers import (
     WorkerInstances,
     WorkerStream,
 )
-from ._reshape import local_plan, split_plan
+from ..workers._starting import StandbyPool
+from ..workers._supervisor import Supervisor
+from ..workers._worker import Plan as Role
+from ..workers._worker import WorkerSpec
 from ._session import Producer
-from ._sources import Kind, splits_itself
-from ._starting import StandbyPool
-from ._state import ResumePoint
-from ._supervisor import Supervisor
-from ._worker import Plan as Role
-from ._worker import WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class Setup:
             parent_pid=os.getpid() if w.start_method != "forkserver" else 0,
             starts=starts, loads=self._loads_of(source))
         if w.worker_type == "ray":  # actors on a Ray cluster, behind the same interface
-            from ._ray import RaySupervisor  # Ray is optional: imported only when used
+            from ..workers._ray import RaySupervisor  # Ray is optional: imported only when used
 
             return RaySupervisor(spec, w.num_workers, budget=self.budget, skips=self.skips)
         return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,

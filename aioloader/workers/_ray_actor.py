@@ -1,7 +1,7 @@
 """The Ray actor of ``worker_type="ray"``: one worker's pipeline, answering one call at a time.
 
 A process worker pushes batches into its arena as fast as its slots allow; a Ray actor is
-pulled instead. The parent (aioloader/_ray.py) keeps at most ``slots`` calls in flight per
+pulled instead. The parent (aioloader/workers/_ray.py) keeps at most ``slots`` calls in flight per
 actor, and each call returns one reply: a batch built where the actor runs, a pass end, a
 hand-over (recycling) or the worker's exception. The calls in flight are the backpressure:
 no batch is built that nobody asked for.
@@ -44,11 +44,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._codec import tensors_nbytes
-from ._info import WorkerInfo, set_worker_info
-from ._loads import ALL_SKIPPED, LoadStage, SkippedLoad
-from ._pipeline import Boundary, Pipeline, each
-from ._position import ShardPosition
+from .._info import WorkerInfo, set_worker_info
+from ..pipeline._loads import ALL_SKIPPED, LoadStage, SkippedLoad
+from ..pipeline._pipeline import Boundary, Pipeline, each
+from ..plane._codec import tensors_nbytes
+from ..plans._position import ShardPosition
 from ._worker import WorkerSpec, own_memory, pickled_error, seed_everything, traceback_text
 
 T = TypeVar("T")

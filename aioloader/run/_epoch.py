@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .._errors import BatchFailure, LoaderBusyError
+from .._loops import running_loop
+from ..plane._device import move_to, pin
+from ..plane._staging import Stager
 from ._backstop import backstop, drop_backstop
 from ._bars import NO_BAR, shows_bars
-from ._device import move_to, pin
-from ._errors import BatchFailure, LoaderBusyError
-from ._loops import running_loop
 from ._run import Run
 from ._session import GRACE, Session
-from ._staging import Stager
 
 _LOG = logging.getLogger("aioloader.stats")
 _CLOSING: set[asyncio.Task[None]] = set()  # closes of dropped epochs, until they are done

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ._loops import loop_factory, running_loop
+from .._loops import loop_factory, running_loop
 
 T = TypeVar("T")
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from ._position import StreamPosition
-from ._session import Delivered, PassDone, Producer, Session
+from ..plans._position import StreamPosition
+from ..workers._steps import Delivered, PassDone
+from ._session import Producer, Session
 
 KEPT = 2  # batches held for repeating, at least (num_workers, if more: a round of shards)
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from ._errors import FrameTooLargeError
+from .._errors import FrameTooLargeError
 
 _LEN = struct.Struct("!I")
 MAX_FRAME = 1 << 31  # bytes in one message body; the 4-byte length could say up to 4 GiB

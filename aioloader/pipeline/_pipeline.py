@@ -26,12 +26,12 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from .._errors import CollateKeyError
+from ..plans._position import PASS_START, BlockStart, Frontier, Mark, Shard, ShardPosition
+from ..plans._samplers import Batcher, BatchSampler, Group
+from ..plans._sources import Kind, Unhooked, aclose, as_async, fetch, unhooked
 from ._collate import PadCollate, Unbatched, default_collate
-from ._errors import CollateKeyError
 from ._loads import LoadOptions, LoadStage, Report, SkippedLoad
-from ._position import PASS_START, BlockStart, Frontier, Mark, Shard, ShardPosition
-from ._samplers import Batcher, BatchSampler, Group
-from ._sources import Kind, Unhooked, aclose, as_async, fetch, unhooked
 
 T = TypeVar("T")
 R = TypeVar("R")

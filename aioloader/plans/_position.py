@@ -18,7 +18,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from ._errors import ResumeError
+from .._errors import ResumeError
 from ._samplers import derive_seed, plan_indices
 from ._sources import Kind, aclose, is_async, open_pass, shard_spec, unhooked
 

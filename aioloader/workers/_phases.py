@@ -5,7 +5,7 @@ Each worker is one :class:`WorkerState` whose lifecycle is one :class:`Phase`. A
 message, an exit, a consumer's request, a switch or restart done) and answers with what to do:
 an action, a small frozen dataclass (:class:`StartSuccessor`, :class:`Switch`, :class:`Raise`,
 :class:`Deliver`, :class:`EndPass`, :class:`Wait`, :class:`CountDeath`). The supervisor
-(aioloader/_supervisor.py) executes the actions and does all the awaiting and I/O around
+(aioloader/workers/_supervisor.py) executes the actions and does all the awaiting and I/O around
 them, as httpcore's connection pool does. Nothing here touches a socket, a process or a loop,
 so every transition is tested in-process (tests/test_supervisor_unit.py)::
 
@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeAlias, TypeVar
 
-from . import _wire as wire
-from ._errors import BatchFailure, LoaderClosedError, WorkerDied, WorkerError
+from .._errors import BatchFailure, LoaderClosedError, WorkerDied, WorkerError
+from ..plane import _wire as wire
 
 
 class WorkerLost(Exception):

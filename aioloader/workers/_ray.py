@@ -1,6 +1,6 @@
 """Workers on a Ray cluster (``worker_type="ray"``): the supervisor's interface over actors.
 
-:class:`RaySupervisor` answers what the producers (aioloader/_producers.py) ask of a
+:class:`RaySupervisor` answers what the producers (aioloader/workers/_producers.py) ask of a
 supervisor: ``start``, ``request``, ``receive``, ``restart``, ``stats``, ``describe``,
 ``close``. So ordering, resume positions and the restart logic are the producers' own,
 unchanged; what differs is the transport::
@@ -9,7 +9,7 @@ unchanged; what differs is the transport::
                 request(w, seq, indices) ─── fetch.remote(seq, indices) ──┘  (index batches)
                 at most ``slots`` calls in flight per actor ── next.remote() ┘  (streams)
 
-Each actor (aioloader/_ray_actor.py) runs the worker's pipeline where Ray placed it and
+Each actor (aioloader/workers/_ray_actor.py) runs the worker's pipeline where Ray placed it and
 returns whole batches; a batch reaches this process through Ray's object store, its
 tensors as views of the object's buffer (zero-copy on the actor's node; from another node
 Ray first moves the object into this node's store), copied out with ``zero_copy=False``.
@@ -23,7 +23,7 @@ started on a thread that lives as long as the process (see :func:`_on_init_threa
 
 Faults: a call of a dead actor (or one whose batch was lost with its node) raises Ray's
 error, which becomes a :class:`~aioloader.WorkerDied` naming the worker, its actor, node
-and pid; within ``max_worker_restarts`` it is :class:`~aioloader._phases.WorkerLost`
+and pid; within ``max_worker_restarts`` it is :class:`~aioloader.workers._phases.WorkerLost`
 instead, raised where that worker's next batch is due (the batches it delivered before
 come first), and the producer's ``restart`` starts a new actor from the consumer's
 position. Closing kills every actor and drops every reference, so nothing of the loader
@@ -48,19 +48,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from ._errors import (
+from .._errors import (
     LoaderClosedError,
     SourcePicklingError,
     WorkerDied,
     WorkerError,
     worker_error_for,
 )
-from ._loads import SkipLog, SkippedLoad
-from ._options import RAY_MISSING
+from .._options import RAY_MISSING
+from .._stats import ArenaStats, WorkerStats
+from ..pipeline._loads import SkipLog, SkippedLoad
+from ..plans._position import ShardPosition
 from ._phases import RestartBudget, WorkerLost
-from ._position import ShardPosition
 from ._ray_actor import Hello, PassOver, Raised, RayWorker, Reply, Retire
-from ._stats import ArenaStats, WorkerStats
 from ._supervisor import Arrival, Ended, Received
 from ._worker import WorkerSpec
 
@@ -116,7 +116,7 @@ class _Actor:
 
 
 class RaySupervisor:
-    """``num_workers`` Ray actors for ``spec``, with the :class:`~aioloader._supervisor.
+    """``num_workers`` Ray actors for ``spec``, with the :class:`~aioloader.workers._supervisor.
     Supervisor`'s interface (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, num_workers: int, *,
@@ -258,7 +258,7 @@ class RaySupervisor:
         """The next batch or pass end of worker ``worker_id``, in the order it built them.
 
         Raises the session's failure, :class:`LoaderClosedError` once closed, and
-        :class:`~aioloader._phases.WorkerLost` when the worker died within the budget.
+        :class:`~aioloader.workers._phases.WorkerLost` when the worker died within the budget.
         """
         ray = _ray()
         while True:
@@ -343,7 +343,7 @@ class RaySupervisor:
                           hung=a.silenced)
 
     def heal(self, silence: float) -> bool:
-        """As :meth:`Supervisor.heal <aioloader._supervisor.Supervisor.heal>`: the actor the
+        """As :meth:`Supervisor.heal <aioloader.workers._supervisor.Supervisor.heal>`: the actor the
         consumer waits for, silent ``silence`` seconds, is killed (``ray.kill``) and its
         death healed like any other. An actor says nothing while it builds a batch, so a
         batch that takes longer than ``timeout`` counts as a hang here."""

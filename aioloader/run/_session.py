@@ -23,37 +23,18 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from ._errors import LoaderClosedError, LoaderTimeoutError
-from ._loops import running_loop
-from ._stats import ArenaStats, WorkerStats
+from .._errors import LoaderClosedError, LoaderTimeoutError
+from .._loops import running_loop
+from .._stats import ArenaStats, WorkerStats
+from ..workers._steps import Step
 
 T = TypeVar("T")
 
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
 
-@dataclass(frozen=True, slots=True)
-class Delivered:
-    """A batch (or a chunk of instances), the consumer's own; ``seq`` and ``mark`` (where a
-    stream's batch lies in its pass) as the worker sent them."""
-
-    value: Any
-    seq: int = -1
-    mark: Any = None
-    nbytes: int = 0  # tensor bytes (telemetry)
-
-
-@dataclass(frozen=True, slots=True)
-class PassDone:
-    """The end of one pass over the data; ``empty``: the whole pass produced nothing."""
-
-    empty: bool
-
-
-Step = Delivered | PassDone
 
 
 class Producer(Protocol):
@@ -254,17 +235,4 @@ class Session:
     @property
     def closed(self) -> bool:
         return self.state in (State.CLOSING, State.CLOSED)
-
-
-class Activity:
-    """When a producer last showed a sign of life; written from any thread."""
-
-    def __init__(self) -> None:
-        self.at = time.monotonic()
-
-    def touch(self) -> None:
-        self.at = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.at
 

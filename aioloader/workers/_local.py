@@ -1,6 +1,6 @@
 """Producers that work in this process (``num_workers=0``): the pipeline, iterated here.
 
-What a worker does with its wire, these do with :mod:`aioloader._pipeline` directly: no
+What a worker does with its wire, these do with :mod:`aioloader.pipeline._pipeline` directly: no
 workers to start or reap, and blocking work (a sync source, fetching, collating) in one
 helper thread of their own.
 """
@@ -18,17 +18,17 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from ._codec import tensors_nbytes
-from ._collate import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
-from ._errors import BatchFailure
-from ._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad, ops_on_this_thread
-from ._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
-from ._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
+from .._errors import BatchFailure
+from .._stats import NO_ARENA, ArenaStats, WorkerStats
+from ..pipeline._collate import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
+from ..pipeline._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad, ops_on_this_thread
+from ..pipeline._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
+from ..pipeline._recycle import MEMORY, MIN_BYTES
+from ..plane._codec import tensors_nbytes
+from ..plans._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
+from ..plans._sources import Kind, Unhooked
 from ._producers import Plan, Plans
-from ._recycle import MEMORY, MIN_BYTES
-from ._session import Activity, Delivered, PassDone
-from ._sources import Kind, Unhooked
-from ._stats import NO_ARENA, ArenaStats, WorkerStats
+from ._steps import Activity, Delivered, PassDone
 
 T = TypeVar("T")
 Work = Iterator[Any] | Unhooked[Any] | InOrder[Any, Any]  # one pass's iterator
@@ -96,8 +96,9 @@ class _InProcess:
 
     def collate(self, items: list[Any], indices: list[Any] | None = None) -> Any:
         """``items`` collated; while batches are large, their large tensors in reused memory
-        (``aioloader._recycle``), by our collate or by torch's ``default_collate`` however it
-        is called meanwhile. Small batches skip that (10-14 us a batch: 12 % of tiny's)."""
+        (``aioloader.pipeline._recycle``), by our collate or by torch's ``default_collate``
+        however it is called meanwhile. Small batches skip that (10-14 us a batch: 12 % of
+        tiny's)."""
         if not self.reuse:
             return self.pipe.collate(items, indices)
         with use_allocator(MEMORY), TORCH_COLLATE_IN_THREADS.scope():

@@ -7,9 +7,9 @@ its socket reaches EOF (the parent closed it, or died), and on Linux the kernel 
 the parent dies first (PR_SET_PDEATHSIG); a thread of its own ends it ORPHAN_GRACE seconds
 after that EOF whatever its loop is stuck in (a forkserver's child outlives the consumer).
 
-A thread worker (``worker_type="thread"``, aioloader/_threads.py) serves the same
+A thread worker (``worker_type="thread"``, aioloader/workers/_threads.py) serves the same
 :func:`serve` on a loop in a thread of the main process, its batches going by reference
-(a :class:`~aioloader._dataplane.Shelf`); everything process-wide is left alone there:
+(a :class:`~aioloader.plane._dataplane.Shelf`); everything process-wide is left alone there:
 signals, torch's thread count and collate map, the global RNGs, exiting.
 """
 
@@ -36,19 +36,19 @@ from typing import Any, Literal
 
 import torch
 
-from . import _wire as wire
-from ._arena import ArenaMap, SlotFull, SlotWriter
-from ._codec import encode, tensors_nbytes
-from ._collate import route_torch_collate_into_arena, use_allocator
-from ._config import Workers
-from ._dataplane import RefPool, Shelf, SlotPool
-from ._info import WorkerInfo, set_worker_info
-from ._loads import ALL_SKIPPED, LoadOptions, LoadStage
-from ._pipeline import BatchOptions, Boundary, InOrder, Pipeline, each
-from ._position import Mark, ShardPosition
-from ._recycle import MEMORY
-from ._samplers import derive_seed
-from ._sources import Kind, Unhooked
+from .._config import Workers
+from .._info import WorkerInfo, set_worker_info
+from ..pipeline._collate import route_torch_collate_into_arena, use_allocator
+from ..pipeline._loads import ALL_SKIPPED, LoadOptions, LoadStage
+from ..pipeline._pipeline import BatchOptions, Boundary, InOrder, Pipeline, each
+from ..pipeline._recycle import MEMORY
+from ..plane import _wire as wire
+from ..plane._arena import ArenaMap, SlotFull, SlotWriter
+from ..plane._codec import encode, tensors_nbytes
+from ..plane._dataplane import RefPool, Shelf, SlotPool
+from ..plans._position import Mark, ShardPosition
+from ..plans._samplers import derive_seed
+from ..plans._sources import Kind, Unhooked
 
 Plan = Literal["stream", "instances", "index"]
 PROGRESS_EVERY = 0.1  # seconds of reading without a message before a Progress is sent
@@ -168,7 +168,7 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     route_torch_collate_into_arena()  # not a shared-memory segment per batch
     _detach_from_parent_signals(spec)
     _leave_when_parent_hangs_up(sock)
-    from . import _loops
+    from .. import _loops
 
     _loops.run(serve(spec, sock))
 

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .._stats import ArenaStats
 from ._arena import ArenaMap, Lease, create_file, round_slot_size
 from ._codec import copied_from, decode
-from ._stats import ArenaStats
 
 COPY_IN_THREAD_BYTES = 1 << 20  # a copy this large runs in a thread: the loop keeps going
 LEASE_MIN_BYTES = 256 << 10  # below, a copy costs less than a lease's bookkeeping

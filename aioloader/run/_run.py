@@ -28,24 +28,25 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
+from .._config import LoaderConfig, draw_seed, iterable_length
+from .._errors import BatchFailure, LoaderBusyError, ResumeError, ResumeWarning
+from .._loops import running_loop
+from .._stats import NO_ARENA, LoaderStats, Meter
+from ..pipeline._loads import SkipLog
+from ..plans._distributed import any_of
+from ..plans._position import is_stateful
+from ..plans._reshape import cache_size
+from ..plans._sources import Kind
+from ..plans._state import Cursor, ResumePoint, choose, make_state, read_state
+from ..workers._phases import RestartBudget
+from ..workers._producers import CachedInstances
+from ..workers._starting import StandbyPool, warm_forkserver
+from ..workers._steps import Delivered, PassDone, Step
 from ._bars import progress_bar
-from ._config import LoaderConfig, draw_seed, iterable_length
-from ._distributed import any_of
-from ._errors import BatchFailure, LoaderBusyError, ResumeError, ResumeWarning
-from ._loads import SkipLog
-from ._loops import running_loop
 from ._padding import Padding, even_refusal
-from ._phases import RestartBudget
 from ._portal import Portal
-from ._position import is_stateful
-from ._producers import CachedInstances
-from ._reshape import cache_size
-from ._session import GRACE, Delivered, PassDone, Session, Step
+from ._session import GRACE, Session
 from ._setup import Setup
-from ._sources import Kind
-from ._starting import StandbyPool, warm_forkserver
-from ._state import Cursor, ResumePoint, choose, make_state, read_state
-from ._stats import NO_ARENA, LoaderStats, Meter
 
 
 class Phase(enum.Enum):
@@ -131,7 +132,7 @@ class Run:
         if warm == "forkserver":
             warm_forkserver(config.source)
         if self.standby is not None:
-            # Imports in the background (aioloader/_starting.py), unless the spec cannot be
+            # Imports in the background (aioloader/workers/_starting.py), unless the spec cannot be
             # pickled: then no process starts at all, and the first epoch says why.
             self.standby.start({"source": config.source, "collate_fn": config.collate_fn,
                                 "options": config.batching.options,

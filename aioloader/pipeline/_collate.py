@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ._errors import CollateKeyError
-from ._info import Patch
+from .._errors import CollateKeyError
+from .._info import Patch
 
 __all__ = [
     "Allocator",

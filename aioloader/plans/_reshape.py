@@ -27,7 +27,7 @@ from typing import Any, overload
 
 import torch
 
-from ._errors import ResumeError
+from .._errors import ResumeError
 from ._planning import PlanSpec, count_batches, deal, global_order, plan_epoch
 from ._samplers import Batches
 

@@ -16,14 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ._errors import BatchFailure, ResumeError
-from ._loads import ALL_SKIPPED, SkippedLoad
+from .._errors import BatchFailure, ResumeError
+from .._stats import ArenaStats, WorkerStats
+from ..pipeline._loads import ALL_SKIPPED, SkippedLoad
+from ..pipeline._pipeline import INSTANCE_CHUNK
+from ..plans._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
+from ..plans._sources import shard_spec
 from ._phases import WorkerLost
-from ._pipeline import INSTANCE_CHUNK
-from ._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
-from ._session import Delivered, PassDone, Step
-from ._sources import shard_spec
-from ._stats import ArenaStats, WorkerStats
+from ._steps import Delivered, PassDone, Step
 from ._supervisor import Arrival, Ended, Received
 from ._worker import WorkerSpec
 

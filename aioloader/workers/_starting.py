@@ -70,7 +70,7 @@ from typing import Any, Protocol, TypeAlias
 
 import torch.multiprocessing
 
-from ._errors import UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT, SourcePicklingError
+from .._errors import UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT, SourcePicklingError
 from ._worker import WorkerSpec, forking, worker_main
 
 STARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloader-start")
@@ -113,7 +113,7 @@ def close_parent(sock: socket.socket) -> None:
 
 class Handle(Protocol):
     """What the supervisor and the stop schedule use of a worker: a process, or a
-    ``ThreadWorker`` (aioloader/_threads.py) that looks like one."""
+    ``ThreadWorker`` (aioloader/workers/_threads.py) that looks like one."""
 
     @property
     def pid(self) -> int | None: ...
@@ -340,7 +340,7 @@ def preload_modules(source: Any) -> list[str]:
     source's class. Each worker then forks from it warm instead of importing them itself
     (0.7-0.9 s a worker measured here, issue 13). Only the server's first start reads it;
     a module that fails to import is skipped there. Spawn standbys import the same list."""
-    modules = ["__main__", "aioloader._worker"]
+    modules = ["__main__", "aioloader.workers._worker"]
     home = getattr(type(source), "__module__", None)
     if isinstance(home, str) and home not in ("__main__", "builtins"):
         modules.append(home)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ._errors import ResumeError
+from .._errors import ResumeError
 from ._position import StreamPosition
 from ._reshape import History, Progress
 
