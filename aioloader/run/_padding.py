@@ -16,14 +16,68 @@ copies, while the rank pads.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
+from .._config import LoaderConfig
+from ..plans._distributed import any_of
 from ..plans._position import StreamPosition
-from ..workers._steps import Delivered, PassDone
+from ..plans._state import Cursor
+from ..workers._steps import Delivered, PassDone, Step
 from ._session import Producer, Session
 
 KEPT = 2  # batches held for repeating, at least (num_workers, if more: a round of shards)
+
+
+class Even:
+    """A run's epochs over a stream under ``even_batches``: the epoch goes on while any
+    rank has a batch of its pass, and a rank whose pass is over repeats its first batches
+    (:class:`Padding`); with ``drop_last``, it ends when the first rank's pass does (the
+    rest is dropped). ``fresh``: a producer of the current pass from its start."""
+
+    def __init__(self, config: LoaderConfig, fresh: Callable[[], Producer]) -> None:
+        self._config = config
+        self._fresh = fresh
+        self.padding: Padding | None = None  # this rank's pass is over, not the others'
+
+    async def next(self, session: Session, cursor: Cursor) -> tuple[Delivered | None, bool]:
+        """The next batch and whether it is a repeat; ``(None, False)`` at the epoch's end,
+        the same step for every rank, once the session's pass end is read."""
+        c = self._config
+        timeout, drop, pad = c.output.timeout, c.batching.drop_last, self.padding
+        step: Step = PassDone(False) if pad is not None else await session.next(timeout)
+        if pad is None and isinstance(step, PassDone) and step.empty and not drop:
+            pad = self._pad()  # nothing of the pass came here: has the pass any batch?
+            await pad.prime()
+        has = isinstance(step, Delivered)
+        some, out, stuck = await asyncio.to_thread(
+            any_of, c.topo, [has, not has, pad is not None and pad.empty])
+        if some and not (stuck or (drop and out)):
+            if isinstance(step, Delivered):
+                return step, False
+            if self.padding is None:  # this rank's pass is over, not the others'
+                self.padding = pad = pad or self._pad()
+                stream = pad.stream = cursor.stream
+                if stream is not None:  # a state taken now: this rank's pass is over
+                    cursor.stream = lambda: replace(stream(), pending=())
+            assert pad is not None
+            repeat = await pad.next()
+            assert repeat is not None, "a pass with batches has a first one"
+            return repeat, True
+        if stuck and some:
+            warnings.warn(even_refusal(c.topo.rank), stacklevel=5)
+        while not isinstance(step, PassDone):  # the epoch ends here for every rank
+            step = await session.next(timeout)
+        if self.padding is not None:
+            cursor.stream, self.padding = self.padding.stream, None
+        return None, False
+
+    def _pad(self) -> Padding:
+        return Padding(self._fresh, self._config.workers.num_workers,
+                       self._config.output.timeout)
 
 
 class Padding:

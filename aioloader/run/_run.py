@@ -1,61 +1,43 @@
 """Run: what a loader's epochs share over its life, and the one owner of it.
 
 A :class:`Run` owns the session (the workers, kept between epochs), the standby processes,
-the pass counters, the consumer's cursor, the resume point and a reader's cache, and says
-where the loader stands::
+the pass counters, the consumer's cursor and the resume point, and says where the loader
+stands: its :class:`~aioloader.run._phase.Phase`, which every method reads to decide and
+changes only through :meth:`Run._move`, under the run's lock, by the table of
+``_phase.TRANSITIONS`` (docs/architecture.md, "The run's phase").
 
-    IDLE ──(an epoch begins)──> IN_EPOCH ──(its end)──────────────> IDLE
-      ^                            ├──(all its batches taken, its pass end not)──> PASS_OWED
-      |                            └──(closed early, persistent workers kept)───> REWIND_OWED
-      └──(an epoch begins from PASS_OWED or CLOSED; the next one takes the pass end;
-          from REWIND_OWED, the kept workers start the pass again)
-    any ──(close() from any task or thread, the GC)──> CLOSING ──> CLOSED
-
-An epoch iterator (``_epoch.Epoch``) drives it through :meth:`begin`, :meth:`next` and
-:meth:`end`, and touches nothing else. A run holds no reference to its loader, so the
-loader's garbage-collector backstop can stop what it owns (:class:`Owned`).
+An epoch iterator (``_epoch.Epoch``) drives it through :meth:`begin`, :meth:`next`,
+:meth:`end` and :meth:`leave`, and touches nothing else. A run holds no reference to its
+loader, so the loader's garbage-collector backstop can stop what it owns (:class:`Owned`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
-import os
 import threading
-import warnings
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Protocol
 
-from .._config import LoaderConfig, draw_seed, iterable_length
-from .._errors import BatchFailure, LoaderBusyError, ResumeError, ResumeWarning
-from .._loops import running_loop
+from .._config import LoaderConfig, draw_seed
+from .._errors import BatchFailure, LoaderBusyError, LoaderClosedError
 from .._stats import NO_ARENA, LoaderStats, Meter
 from ..pipeline._loads import SkipLog
-from ..plans._distributed import any_of
-from ..plans._position import is_stateful
-from ..plans._reshape import cache_size
 from ..plans._sources import Kind
-from ..plans._state import Cursor, ResumePoint, choose, make_state, read_state
+from ..plans._state import Cursor, ResumePoint
 from ..workers._phases import RestartBudget
 from ..workers._producers import CachedInstances
 from ..workers._starting import StandbyPool, warm_forkserver
-from ..workers._steps import Delivered, PassDone, Step
-from ._bars import progress_bar
-from ._padding import Padding, even_refusal
+from ..workers._steps import Delivered, PassDone
+from ._checkpoint import cached_count, held_point, point_of, resumed_cursor, state_of, warn_skipping
+from ._owned import Owned
+from ._padding import Even
+from ._phase import Event, Phase, advance
 from ._portal import Portal
+from ._reading import Reading
 from ._session import GRACE, Session
 from ._setup import Setup
 
-
-class Phase(enum.Enum):
-    IDLE = "idle"  # between epochs (a session may be kept for the next)
-    IN_EPOCH = "in an epoch"
-    PASS_OWED = "a pass end owed"  # an epoch took all its batches, not its pass end
-    REWIND_OWED = "a rewind owed"  # an epoch left early kept its workers: start it again
-    CLOSING = "closing"
-    CLOSED = "closed"  # nothing kept; the loader may be iterated again
+_OWING = (Phase.ALL_HANDED, Phase.PASS_OWED)  # an epoch's pass end is owed
 
 
 class EpochHandle(Protocol):
@@ -64,33 +46,6 @@ class EpochHandle(Protocol):
     waiting: bool  # a consumer is inside its __anext__, waiting for a batch
 
     def abandon(self, superseded: bool = False) -> None: ...
-
-
-class Owned:
-    """What a run must stop when its loader goes: its session, standbys and portal.
-
-    Kept apart so that the loader's garbage-collector backstop holds only these: the rest
-    of a run (a ``WorkerDied`` kept in its restart budget, with its traceback through the
-    epoch that raised it, which holds the loader) would otherwise keep the loader alive.
-    """
-
-    def __init__(self, portal: Portal, standby: StandbyPool | None) -> None:
-        self.portal = portal
-        self.standby = standby
-        self.session: Session | None = None
-        self.owner_pid = os.getpid()
-
-    def kill(self) -> None:
-        """Stop everything, at once, without a loop; nothing in a forked child that
-        inherited the loader."""
-        if os.getpid() != self.owner_pid:
-            return
-        session, self.session = self.session, None
-        if session is not None:
-            session.kill()
-        if self.standby is not None:
-            self.standby.close(0.0)
-        self.portal.close()
 
 
 class Run:
@@ -104,36 +59,39 @@ class Run:
         self._pads: dict[int, int] = {}  # a cached reader's, planned: by pass
         self.meter = Meter()
         self.next_log = 0.0  # log_every: when the next stats line is due
-        self.phase = Phase.IDLE
+        self.phase = Phase.IDLE  # changed by _move alone
+        self._closers = 0  # closes running (CLOSING until the last is over)
         # What each batch asks of the config, read once: the epoch's length, the timeout,
         # and whether ranks agree batch by batch (streams have no length: with even_batches)
         b, topo = config.batching, config.topo
         agree = (topo.distributed and b.even_batches and b.batches_per_epoch is None
                  and config.lazy)
         self._per_batch = (b.batches_per_epoch, config.output.timeout, agree)
-        self.cache: CachedInstances | None = None
+        self._streaming_on = b.batches_per_epoch is not None  # an epoch is not a pass
         self._lock = threading.Lock()
-        self._epoch: weakref.ref[EpochHandle] | None = None  # the epoch in progress
+        self._epoch: weakref.ref[EpochHandle] | None = None  # set in IN_EPOCH, ALL_HANDED
         self._produced = 0  # batches the epoch in progress handed over
-        self._told: int | None = None  # an IterableDataset's len(loader), once asked
+        self._length: int | None = None  # the epoch in progress's, where known
         self._next_pass = 0  # the pass the session's stream is at
         self._session_pass = 0  # the pass the current session started with
         self._cursor = Cursor()  # where the consumer stands (state_dict)
         self._resume: ResumePoint | None = None  # where the next session starts
-        self._padding: Padding | None = None  # even_batches: this rank's pass is over
+        self._even = Even(config, lambda: self._setup.producer(self._next_pass, None, None))
         warm = config.workers.warm_start
         # spawn and forkserver start their interpreters now, so that their imports overlap
         # the script's own set-up (issue 13): standbys, or the process's forkserver.
         standby = (StandbyPool(config.source, config.workers.num_workers)
                    if warm == "spawn" else None)
         # the sync adapter's loop (and the close's between epochs)
-        self.owned = Owned(Portal(), standby)
+        self.owned = Owned(Portal(), standby, self._lock)
+        self.reading = Reading(config, self.owned, lambda: self._setup,
+                               lambda: self._next_pass)
         self._configure(config.seed)
         if warm == "forkserver":
             warm_forkserver(config.source)
         if self.standby is not None:
-            # Imports in the background (aioloader/workers/_starting.py), unless the spec cannot be
-            # pickled: then no process starts at all, and the first epoch says why.
+            # Imports in the background (aioloader/workers/_starting.py), unless the spec
+            # cannot be pickled: then no process starts at all, and the first epoch says why.
             self.standby.start({"source": config.source, "collate_fn": config.collate_fn,
                                 "options": config.batching.options,
                                 "worker_init_fn": config.workers.init_fn})
@@ -145,6 +103,10 @@ class Run:
     @property
     def standby(self) -> StandbyPool | None:
         return self.owned.standby
+
+    @property
+    def cache(self) -> CachedInstances | None:
+        return self.reading.cache
 
     @property
     def _session(self) -> Session | None:
@@ -175,49 +137,74 @@ class Run:
                                self._pads)
         return self._made
 
+    # ------------------------------------------------------------------ the phase
+
+    def _move(self, event: Event) -> Phase:
+        """The one way the phase changes: by the table, or :class:`PhaseError`. The caller
+        holds the run's lock (and writes what goes with the move under it)."""
+        assert self._lock.locked(), "the run's phase moves under its lock"
+        self.phase = advance(self.phase, event)
+        if self.phase not in (Phase.IN_EPOCH, Phase.ALL_HANDED):
+            self._epoch = None  # no epoch is current outside those two
+        return self.phase
+
+    def _pay(self) -> None:
+        """The owed pass end, counted without reading it (its session is gone or going),
+        unless set_epoch() made another pass the next one since."""
+        if not self._streaming_on and self._session_pass == self._next_pass:
+            self._pass_done()
+
     # ------------------------------------------------------------------ epochs
 
     async def begin(self, epoch: EpochHandle, private: bool) -> Session:
         """``epoch`` begins: the session that serves it, attached to the running loop.
 
-        An earlier epoch that handed over all its batches is over, even if nobody asked it
-        for its end (Lightning, zip() and islice() take len(loader) batches and move on);
-        one that did not is superseded, as torch's ``iter(loader)`` starts over: its
-        consumer is told so if it asks again (unless it is waiting for a batch right now, in
-        another task or thread: then this one is refused, LoaderBusyError), or was dropped
-        (its session is started again).
+        What it does is the phase's: from IDLE or CLOSED, a session is started (or the
+        kept one used); over an epoch that handed over all its batches (ALL_HANDED) or
+        after one (PASS_OWED), the pass end is taken first, even if nobody asked for it
+        (Lightning, zip() and islice() take len(loader) batches and move on); over one
+        half-way (IN_EPOCH, alive or dropped), it is superseded, as torch's second
+        ``iter(loader)`` starts over: its consumer is told so if it asks again (unless it
+        waits for a batch right now, in another task or thread: then this one is refused,
+        LoaderBusyError), and its pass starts again (REWIND_OWED: on the same workers).
+        A close in progress (CLOSING) refuses it: LoaderClosedError.
         """
-        full = self.delivered_all()
         with self._lock:
+            phase = self.phase
+            if phase is Phase.CLOSING:
+                raise LoaderClosedError(
+                    "the loader is being closed (close()/aclose() in another task or "
+                    "thread): iterate it again once that close has returned")
             current = self._epoch() if self._epoch is not None else None
-            if current is not None and current is not epoch and not full and current.waiting:
+            if current is epoch:
+                current = None
+            if phase is Phase.IN_EPOCH and current is not None and current.waiting:
                 raise LoaderBusyError(
                     "this loader is being iterated by another task or thread, which is "
                     "waiting for a batch: finish or close that epoch first (`await "
                     "loader.aclose()`), or make a second DataLoader")
-            dropped = self._epoch is not None  # an earlier epoch was left unfinished
-            owed = self.phase is Phase.PASS_OWED or (dropped and full)
-            left = self.phase is Phase.REWIND_OWED  # closed early, its workers kept
+            self._move(Event.BEGIN)
             self._epoch = weakref.ref(epoch)
-            self.phase = Phase.IN_EPOCH
-        if current is not None and current is not epoch:
-            current.abandon(superseded=not full)
+        if current is not None:
+            current.abandon(superseded=phase is Phase.IN_EPOCH)
         before = self._session
-        rewind = before is not None and (left or (dropped and not full and self.rewinds(before)))
-        if dropped and before is not None and not full and not rewind:
-            await self.drop_session(before)  # this epoch starts that one again
+        if phase is Phase.IN_EPOCH and before is not None:  # one was left half-way
+            if self.rewinds(before):
+                phase = Phase.REWIND_OWED
+            else:
+                await self.drop_session(before)  # this epoch starts that pass again
         live = before is not None and not before.closed and self._session is before
-        streaming_on = self.config.batching.batches_per_epoch is not None
-        if owed and not streaming_on and not live:
-            self._pass_done()  # its pass end went with its session
+        if phase in _OWING and not live:
+            self._pay()  # its pass end went with its session
         session = await self._started_session()
         session.attach(private=private)
-        if rewind and session is before:  # persistent workers start the pass again
+        if session is before and phase is Phase.REWIND_OWED:  # persistent workers
             await session.rewind(self._next_pass, self.config.output.timeout)
             self._cursor.in_pass = 0
-        if owed and not streaming_on and session is before:
+        elif session is before and phase in _OWING and not self._streaming_on:
             session = await self._finish_pass(session, private)
         self._produced = self._cursor.begin_epoch()
+        self._length = self.known_length()
         return session
 
     def rewinds(self, session: Session) -> bool:
@@ -251,8 +238,14 @@ class Run:
         :class:`BatchFailure`: the epoch raises its error and goes on, as torch's iterator
         does."""
         limit, timeout, agree = self._per_batch
-        if agree:
-            return await self._even(session, timeout)
+        if agree:  # even_batches over a stream
+            even, repeat = await self._even.next(session, self._cursor)
+            if even is None:
+                self._pass_end()
+                return None
+            self.padded += repeat
+            self._handed()
+            return even
         while limit is None or self._produced < limit:
             try:
                 step = await session.next(timeout)
@@ -261,41 +254,62 @@ class Run:
                     # A reader's epoch ends at its first error (AllenNLP's loader, and the
                     # contract's lifecycle: its workers stop); torch's Dataset goes on.
                     raise failed.error from None
-                self._produced += 1
-                self._cursor.delivered()
+                self._handed()
                 return failed
             if isinstance(step, PassDone):
-                self._pass_done()
+                self._pass_end()
                 if limit is None or step.empty:
                     return None
                 continue
-            self._produced += 1
-            self._cursor.delivered()
-            if self._told is not None and self._produced > self._told:
-                self._past_length()
+            self._handed()
+            self.reading.check_told(self._produced)
             return step
         return None
 
-    def _past_length(self) -> None:
-        """torch's warning: an IterableDataset gave more batches than ``len(loader)`` said."""
-        warn = (f"Length of IterableDataset {self.config.source} was reported to be "
-                f"{self._told} (when accessing len(dataloader)), but {self._produced} samples "
-                "have been fetched. ")
-        if self.config.workers.num_workers > 0:
-            warn += ("For multiprocessing data-loading, this could be caused by not properly "
-                     "configuring the IterableDataset replica at each worker: each worker must "
-                     "read its own part (torch.utils.data.get_worker_info()).")
-        warnings.warn(warn, stacklevel=5)
+    def _handed(self) -> None:
+        """A batch is handed over: counted, and the epoch's last one (as many as its length
+        says) moves the phase to ALL_HANDED, here and nowhere else."""
+        self._produced += 1
+        self._cursor.delivered()
+        if self._length is not None and self._cursor.in_epoch >= self._length:
+            with self._lock:
+                if self._epoch is not None:  # (not after a close from another thread)
+                    self._move(Event.LAST_BATCH)
+
+    def _pass_end(self) -> None:
+        """The current epoch takes its pass end. After a close from another thread, the
+        close has counted an owed one already: nothing is counted twice."""
+        with self._lock:
+            if self._epoch is None:
+                return
+            self._move(Event.PASS_END)
+        self._pass_done()
 
     async def end(self, epoch: EpochHandle, session: Session | None, *, stop: bool,
                   grace: float = GRACE) -> None:
         """``epoch`` ends: complete (``stop=False``: its workers stay, if the loader keeps
         them), or stopped (an error, a cancel, a close half-way)."""
         with self._lock:
-            if self._epoch is not None and self._epoch() is epoch:
-                self._epoch = None
-                if self.phase is Phase.IN_EPOCH:
-                    self.phase = Phase.IDLE
+            if self.is_current(epoch):
+                self._move(Event.END)
+        await self._release(session, stop=stop, grace=grace)
+
+    async def leave(self, epoch: EpochHandle, session: Session | None) -> None:
+        """``epoch`` is closed by its consumer: after its last batch (ALL_HANDED), its
+        pass end is owed and its workers stay as after a complete epoch; half-way, its
+        workers stay where they would start the pass again (:meth:`rewinds`), or stop."""
+        with self._lock:
+            kept = False
+            if self.is_current(epoch):
+                kept = (self.phase is Phase.IN_EPOCH and session is not None
+                        and self.rewinds(session))
+                kept = self._move(Event.KEEP if kept else Event.LEAVE) is not Phase.IDLE
+        await self._release(session, stop=not kept)
+
+    async def _release(self, session: Session | None, *, stop: bool,
+                       grace: float = GRACE) -> None:
+        """What an epoch that is over leaves of ``session``: kept (detached) for the next
+        one, or stopped (``stop``, or workers that are not kept between epochs)."""
         if session is None:
             return
         if not stop:
@@ -308,41 +322,12 @@ class Run:
         elif not session.closed:
             session.detach()
 
-    async def leave(self, epoch: EpochHandle, session: Session | None) -> None:
-        """``epoch`` is closed by its consumer: simply over if it handed over all its
-        batches (its workers stay; the next epoch takes its pass end); else its workers
-        stay where they would start the pass again (:meth:`rewinds`), or are stopped."""
-        full = self.delivered_all()
-        if session is not None and not session.closed and (full or self.rewinds(session)):
-            await self.end(epoch, session, stop=False)
-            with self._lock:
-                if self.phase is Phase.IDLE:
-                    self.phase = Phase.PASS_OWED if full else Phase.REWIND_OWED
-            return
-        await self.end(epoch, session, stop=session is not None)
-
     def is_current(self, epoch: EpochHandle) -> bool:
         return self._epoch is not None and self._epoch() is epoch
 
     def in_epoch(self) -> bool:
         """An epoch is in progress (not dropped, not ended)."""
         return self._epoch is not None and self._epoch() is not None
-
-    def delivered_all(self) -> bool:
-        """The current epoch handed over as many batches as it has (when that is known)."""
-        in_epoch = self._cursor.in_epoch
-        if not in_epoch:
-            return False
-        length = self.known_length()
-        return length is not None and in_epoch >= length
-
-    def known_length(self) -> int | None:
-        """The epoch's length where it is known without reading anything."""
-        if self.config.batching.batches_per_epoch is not None:
-            return self.config.batching.batches_per_epoch
-        if self.config.kind is Kind.MAP or self.cache is not None:
-            return self.length()
-        return None
 
     @property
     def in_epoch_count(self) -> int:
@@ -355,48 +340,12 @@ class Run:
         self._session_pass += 1
         self._cursor.pass_done()
 
-    async def _even(self, session: Session, timeout: float | None) -> Delivered | None:
-        """``even_batches`` over a stream: the epoch goes on while any rank has a batch of
-        its pass, and a rank whose pass is over repeats its first batches (``_padding``);
-        with ``drop_last``, it ends when the first rank's pass does (the rest is dropped)."""
-        drop, pad = self.config.batching.drop_last, self._padding
-        step: Step = PassDone(False) if pad is not None else await session.next(timeout)
-        if pad is None and isinstance(step, PassDone) and step.empty and not drop:
-            pad = self._pad()  # nothing of the pass came here: has the pass any batch?
-            await pad.prime()
-        has = isinstance(step, Delivered)
-        some, out, stuck = await asyncio.to_thread(
-            any_of, self.config.topo, [has, not has, pad is not None and pad.empty])
-        if some and not (stuck or (drop and out)):
-            if isinstance(step, PassDone):
-                if self._padding is None:  # this rank's pass is over, not the others'
-                    self._padding = pad = pad or self._pad()
-                    stream = pad.stream = self._cursor.stream
-                    if stream is not None:  # a state taken now: this rank's pass is over
-                        self._cursor.stream = lambda: replace(stream(), pending=())
-                assert pad is not None
-                repeat = await pad.next()
-                assert repeat is not None, "a pass with batches has a first one"
-                step = repeat
-                self.padded += 1
-            self._produced += 1
-            self._cursor.delivered()
-            return step
-        if stuck and some:
-            warnings.warn(even_refusal(self.config.topo.rank), stacklevel=4)
-        while not isinstance(step, PassDone):  # the epoch ends here for every rank
-            step = await session.next(timeout)
-        if self._padding is not None:
-            self._cursor.stream, self._padding = self._padding.stream, None
-        self._pass_done()
-        return None
-
-    def _pad(self) -> Padding:
-        return Padding(lambda: self._setup.producer(self._next_pass, None, None),
-                       self.config.workers.num_workers, self.config.output.timeout)
-
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self._next_pass:
+        """Make pass ``epoch`` the next one (an owed pass end or rewind is then void)."""
+        with self._lock:
+            if epoch == self._next_pass:
+                return
+            self._move(Event.SET_EPOCH)
             self._next_pass = epoch
             self._resume = None  # a resumed position belongs to its own epoch
             self._cursor = Cursor(pass_no=epoch)
@@ -413,11 +362,11 @@ class Run:
             resume, self._resume = self._resume, None
             if resume is not None and resume.pass_no != self._next_pass:
                 resume = None
-            cache = await self.ensure_cache() if self.config.cached else None
+            cache = await self.reading.ensure_cache() if self.config.cached else None
             producer = self._setup.producer(self._next_pass, resume, cache)
             session = Session(producer)
             self._session = session
-            self._padding = None
+            self._even.padding = None
             self._session_pass = self._next_pass
             with self._lock:
                 carried = self._cursor.carried if resume is not None else None
@@ -429,165 +378,68 @@ class Run:
         return session
 
     async def drop_session(self, session: Session, grace: float = GRACE) -> None:
-        with self._lock:
-            if self._session is session:
-                self._session = None
-        await session.aclose(grace)
+        await self.owned.drop(session, grace)
+
+    def session_is(self, session: Session) -> bool:
+        return self._session is session
 
     # ------------------------------------------------------------------ reading
 
     def length(self) -> int:
         """len(loader): batches per epoch (a cached reader is read for it, once)."""
-        c = self.config
-        if c.batching.batches_per_epoch is not None:
-            return c.batching.batches_per_epoch
-        if c.kind is Kind.MAP:
-            return self._setup.count(c.source)
-        if c.kind is Kind.ITERABLE and c.lazy and c.given.max_instances_in_memory is None:
-            # torch keeps the dataset's own len() and warns when more batches than that
-            # have come: its comparison, kept as it is.
-            self._told = len(c.source)
-            return iterable_length(c.source, c.batching)
-        if c.lazy:
-            raise TypeError(
-                "a lazy loader (max_instances_in_memory set) does not know its length: pass "
-                "batches_per_epoch, or leave max_instances_in_memory=None to cache the data")
-        cache = self.cache
-        if cache is None:
-            cache = self.portal.call(self.ensure_cache())
-        return self._setup.count(cache)
+        return self.reading.length()
 
-    async def instances(self) -> AsyncIterator[Any]:
+    def known_length(self) -> int | None:
+        """The epoch's length where it is known without reading anything."""
+        return self.reading.known_length()
+
+    def instances(self) -> AsyncIterator[Any]:
         """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
-        c = self.config
-        if c.kind is Kind.MAP:
-            for i in range(len(c.source)):
-                yield c.source[i]
-            return
-        if self.cache is not None:
-            for item in self.cache:
-                yield item
-            return
-        items: list[Any] = []
-        async for chunk in self._read_pass():
-            if c.cached:
-                items.extend(chunk)
-            for item in chunk:
-                yield item
-        if c.cached:
-            self.cache = CachedInstances(items)
-
-    async def ensure_cache(self) -> CachedInstances:
-        if self.cache is None:
-            items: list[Any] = []
-            with progress_bar(self.config.output.quiet, desc="loading instances",
-                              unit="instance") as bar:
-                async for chunk in self._read_pass():
-                    items.extend(chunk)
-                    bar.update(len(chunk))
-            self.cache = CachedInstances(items)
-        return self.cache
-
-    async def _read_pass(self) -> AsyncIterator[list[Any]]:
-        """One pass of instances, in chunks: in this process, or through workers (sharded)."""
-        session = Session(self._setup.instances(self._next_pass))
-        with self._lock:  # a close() while the cache fills must reach this session
-            held = self._session is None
-            if held:
-                self._session = session
-        try:
-            await session.start()
-            session.attach()
-            while True:
-                step = await session.next(self.config.output.timeout)
-                if isinstance(step, PassDone):
-                    return
-                yield step.value
-        finally:
-            with self._lock:
-                if held and self._session is session:
-                    self._session = None
-            await session.aclose()
+        return self.reading.instances()
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        c = self.config
-        if c.lazy and c.loads is not None and not c.loads.ordered and (
-                c.batching.options.sampler is not None):
-            raise ResumeError(
-                "state_dict() with ordered=False and a BatchSampler: loads finish out of "
-                "order and the sampler's blocks depend on their instances, so no position "
-                "says what was delivered. Use ordered=True to checkpoint (loads still "
-                "overlap), or shuffle= without a BatchSampler")
         with self._lock:
             cursor = self._cursor
-        return make_state(self.config.fingerprint(), self.seed, cursor, self._cached_count())
+        return state_of(self.config, self.seed, cursor, self._cached_count())
 
     def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        c = self.config
-        shards = c.shape_shards
-        states = [state] if isinstance(state, Mapping) or not isinstance(
-            state, Sequence) or not state else list(state)
-        points = [read_state(s, c.fingerprint(), seed=c.given.seed, stream=c.lazy)
-                  for s in states]
-        point = choose(points, rank=c.topo.rank, world_size=c.topo.world_size, shards=shards,
-                       refusal=self._setup.reshape_refusal(),
-                       reframe=self._setup.reframe if c.lazy else None)
+        """Where the next epoch starts: checked first (the run unchanged on an error), then
+        the phase, the pass, the cursor and the seed written together under the lock."""
+        point = point_of(self.config, self._setup, state)
         with self._lock:
-            if self.in_epoch():
+            if self.in_epoch() or self.phase is Phase.CLOSING:
                 raise LoaderBusyError(
-                    "load_state_dict() while an epoch is being iterated: finish or close "
-                    "that epoch first (`loader.close()`), then load the state")
-        # Workers that persisted from an earlier epoch are elsewhere; standbys hold nothing
-        # of it and stay for the next session.
-        self.close_session()
-        if point.seed != self._seed:
-            self._configure(point.seed)
-        self._resume = point
-        self.phase = Phase.IDLE  # the state says where the next epoch starts: nothing owed
-        self._next_pass = point.pass_no
-        # (a state taken before the next session starts is this one: a stream's position
-        # with it, or a stream resumed on a new shape would start its pass again)
-        stream = point.stream
-        self._cursor = Cursor(point.pass_no, point.in_pass, point.in_epoch,
-                              stream=(lambda: stream) if stream is not None else None,
-                              carried=point.in_epoch, history=point.history)
-        if point.stream is not None and not is_stateful(c.source) and c.loads is None:
-            skipped = sum(p.start.raw for p in point.stream.shards)
-            if skipped:
-                warnings.warn(
-                    f"resuming {type(c.source).__name__} by reading and skipping {skipped} "
-                    "instances: it has no state_dict()/load_state_dict() of its own. Give it "
-                    "those (a position in its files) to resume in constant time",
-                    ResumeWarning, stacklevel=3)
+                    "load_state_dict() while an epoch is being iterated (or a close runs): "
+                    "finish or close that epoch first (`loader.close()`), then load the state")
+            self._move(Event.LOAD)  # the state says where the next epoch starts: nothing owed
+            # Workers that persisted from an earlier epoch are elsewhere; standbys hold
+            # nothing of it and stay for the next session.
+            session, self._session = self._session, None
+            if point.seed != self._seed:
+                self._configure(point.seed)
+            self._resume = point
+            self._next_pass = point.pass_no
+            self._cursor = resumed_cursor(point)
+        if session is not None:
+            self.owned.stop(session)
+        self.portal.close()
+        warn_skipping(self.config, point)
 
     def _hold_position(self) -> None:
         """A completed epoch is about to stop its workers (``persistent_workers=False``):
         with ``batches_per_epoch`` the stream goes on where it stopped, so the next session
         starts there, as after :meth:`load_state_dict`."""
-        if self.config.batching.batches_per_epoch is None:
-            return  # the next epoch starts a pass of its own
-        with self._lock:
-            cursor = self._cursor
-        topo = self.config.topo
-        self._resume = ResumePoint(
-            seed=self.seed, pass_no=cursor.pass_no, in_pass=cursor.in_pass, in_epoch=0,
-            stream=cursor.stream() if cursor.stream is not None else None,
-            instances=self._cached_count(), history=cursor.history, rank=topo.rank,
-            world_size=topo.world_size, shards=self.config.shape_shards)
+        if self._streaming_on:
+            with self._lock:
+                cursor = self._cursor
+            self._resume = held_point(self.config, self.seed, cursor, self._cached_count())
 
     def _cached_count(self) -> int | None:
-        if not self.config.cached:
-            return None
-        if self.cache is not None:
-            return len(self.cache)
-        # A state taken after load_state_dict(), before the cache is read again: the
-        # count the resume point says (a new rank's share, on a new shape)
-        point, topo = self._resume, self.config.topo
-        return None if point is None else cache_size(point.instances, point.history,
-                                                     topo.rank, topo.world_size,
-                                                     self.config.shards)
+        cache = self.cache
+        return cached_count(self.config, len(cache) if cache is not None else None,
+                            self._resume)
 
     def stats(self) -> LoaderStats:
         session = self._session
@@ -608,15 +460,7 @@ class Run:
         """Stop the workers, on the loop they are attached to, without blocking this one."""
         self._closing()
         try:
-            if self.standby is not None:
-                await asyncio.to_thread(self.standby.close)
-            session = self._take_session()
-            if session is None:
-                return
-            if session.loop is None or session.loop is running_loop():
-                await session.aclose()
-            else:
-                await asyncio.to_thread(self._stop, session)
+            await self.owned.aclose()
         finally:
             self._closed()
 
@@ -624,49 +468,22 @@ class Run:
         """Blocking :meth:`aclose`, from any thread; also ends the portal's loops."""
         self._closing()
         try:
-            if self.standby is not None:
-                self.standby.close()
-            self.close_session()
+            self.owned.close()
         finally:
             self._closed()
 
-    def close_session(self) -> None:
-        """Stop the session (the standbys stay), and the portal's loops."""
-        session = self._take_session()
-        if session is not None:
-            self._stop(session)
-        self.portal.close()
-
-    def _stop(self, session: Session) -> None:
-        """Close ``session`` from this thread, on the loop it is attached to."""
-        loop, here = session.loop, running_loop()
-        if loop is None and here is None:  # between epochs: an async reader's pass
-            self.portal.call(session.aclose())  # closes on a loop
-        elif loop is None or loop is here:
-            session.close()  # from async code on its own loop: blocks it while reaping
-        elif loop is self.portal.loop:  # the sync adapter's, driven in bursts
-            self.portal.call(session.aclose())
-        elif loop.is_running():  # a user's loop, or the portal's own thread
-            asyncio.run_coroutine_threadsafe(session.aclose(), loop).result()
-        else:
-            session.close()
-
     def _closing(self) -> None:
+        """A close begins: no epoch is current any more, and one whose batches were all
+        handed over has its pass end counted (the pass end goes with its session)."""
         with self._lock:
-            if self.phase is Phase.PASS_OWED and self.config.batching.batches_per_epoch is None:
-                self._pass_done()  # the pass end goes with its session: the pass is over
-            self.phase = Phase.CLOSING
+            if self.phase in _OWING:
+                self._pay()
+            self._move(Event.CLOSE)
+            self._closers += 1
 
     def _closed(self) -> None:
+        """A close is over; the last one running makes the run CLOSED."""
         with self._lock:
-            if self.phase is Phase.CLOSING:
-                self.phase = Phase.CLOSED
-
-    def _take_session(self) -> Session | None:
-        with self._lock:
-            session, self._session = self._session, None
-            self._epoch = None
-        return session
-
-    def session_is(self, session: Session) -> bool:
-        return self._session is session
+            self._closers -= 1
+            if self._closers == 0:
+                self._move(Event.CLOSED)
