@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Generic, TypeVar, Unpack, overload
 
 import torch
@@ -68,7 +69,8 @@ class DataLoader(Generic[T_co]):
     same batches, seeds, sharding and order as worker processes, each batch built where
     its actor runs and handed over through Ray's object store (docs/beyond.md).
     ``ray_options`` (a dict) goes to each actor's ``.options()``: ``num_cpus`` (default
-    1), ``resources``, ``scheduling_strategy``, ``runtime_env``. Needs
+    1), ``resources``, ``scheduling_strategy``, ``runtime_env``; ``loader.ray_options``
+    is a read-only view of it. Needs
     ``pip install aioloader[ray]``.
 
     ``worker_nice`` (0 to 19) lowers the worker processes' CPU priority (``os.nice`` in each):
@@ -156,7 +158,6 @@ class DataLoader(Generic[T_co]):
     even_batches: Option[bool] = Option("batching.even_batches")
     num_workers: Option[int] = Option("workers.num_workers")
     worker_type: Option[str] = Option("workers.worker_type")
-    ray_options: Option[Mapping[str, Any] | None] = Option("workers.ray_options")
     start_method: Option[str] = Option("workers.start_method")
     worker_nice: Option[int] = Option("workers.nice")
     prefetch: Option[int] = Option("workers.prefetch")
@@ -184,6 +185,17 @@ class DataLoader(Generic[T_co]):
     pin_memory_device: Option[str] = Option("given.pin_memory_device")
 
     @property
+    def ray_options(self) -> Mapping[str, Any] | None:
+        """``ray_options`` as given, as a read-only view: the config's own dict is what
+        every actor (a replacement's included) is started with, so nobody may change it."""
+        options = self._config.workers.ray_options
+        return None if options is None else MappingProxyType(options)
+
+    @ray_options.setter
+    def ray_options(self, value: Any) -> None:
+        raise fixed("ray_options", value)
+
+    @property
     def config(self) -> LoaderConfig:
         """Every option, checked and resolved, as one frozen value."""
         return self._config
@@ -203,7 +215,9 @@ class DataLoader(Generic[T_co]):
                           self.__len__, target)
 
     def set_target_device(self, device: DeviceLike | None) -> None:
-        """Where batches go from now on (``None``: stay on the CPU)."""
+        """Where the batches of epochs that begin from now on go (``None``: stay on the
+        CPU). An epoch in progress keeps the device it began with; ``loader.sync()`` takes
+        the loader's device when it is called, ``loader.sync(device)`` keeps its own."""
         self._device = as_device(device)
 
     def set_epoch(self, epoch: int) -> None:
