@@ -7,6 +7,7 @@ stood in for by tokens, as ``tests/test_session_unit.py`` does.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import pathlib
 import re
@@ -77,8 +78,8 @@ class Token:
         self.abandoned, self.superseded = True, superseded
 
 
-def make_run(**options: Any) -> Run:
-    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+def make_run(shuffle: bool = True, **options: Any) -> Run:
+    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=shuffle, seed=3,
                                   quiet=True, **options)
     return Run(loader.config)
 
@@ -119,8 +120,9 @@ async def test_a_complete_epoch_moves_through_last_batch_and_pass_end() -> None:
     assert run.phase is Phase.IN_EPOCH
     await run.end(token, session, stop=False)  # IN_EPOCH -END-> IDLE
     assert run.phase is Phase.IDLE and current_iff_epoch_phase(run)
+    assert run.session_is(session) and not session.closed  # kept for the next epoch
     await run.aclose()  # IDLE -CLOSE-> CLOSING -CLOSED-> CLOSED
-    assert run.phase is Phase.CLOSED and current_iff_epoch_phase(run)
+    assert run.phase is Phase.CLOSED and current_iff_epoch_phase(run) and session.closed
 
 
 async def test_an_epoch_ended_after_its_last_batch_goes_idle() -> None:
@@ -272,6 +274,88 @@ async def test_no_epoch_begins_while_a_close_runs_and_the_last_close_ends_it() -
     await run.aclose()
 
 
+async def test_a_second_epoch_while_one_waits_for_a_batch_is_refused() -> None:
+    run = make_run()
+    token = Token()
+    session = await run.begin(token, private=False)
+    assert await run.next(session) is not None
+    token.waiting = True  # its consumer, in another task, waits for a batch
+    with pytest.raises(LoaderBusyError):
+        await run.begin(Token(), private=False)
+    assert run.is_current(token) and not token.abandoned
+    await run.end(token, session, stop=True, grace=0.0)
+    assert session.closed and run.phase is Phase.IDLE
+    await run.aclose()
+
+
+async def test_a_second_epoch_supersedes_one_half_consumed() -> None:
+    run = make_run(shuffle=False)
+    first, second = Token(), Token()
+    session = await run.begin(first, private=False)
+    assert await run.next(session) is not None
+    again = await run.begin(second, private=False)
+    assert first.abandoned and first.superseded and run.is_current(second)
+    got = []
+    while (step := await run.next(again)) is not None:
+        got.append(step.value.tolist())
+    assert got == [[0, 1], [2, 3], [4, 5]]  # the pass again, from its start
+    await run.end(second, again, stop=False)
+    await run.aclose()
+
+
+async def test_a_close_from_another_thread_ends_the_epoch_in_progress() -> None:
+    run = make_run(batches_per_epoch=10**6)  # an epoch that never ends by itself
+    token = Token()
+    session = await run.begin(token, private=False)
+    assert await run.next(session) is not None
+    closer = threading.Thread(target=run.close)
+    closer.start()
+    with pytest.raises(LoaderClosedError):
+        while True:  # steps until the close reaches the session
+            await asyncio.wait_for(run.next(session), 30)
+    await asyncio.to_thread(closer.join)
+    await run.end(token, session, stop=True, grace=0.0)
+    assert run.phase is Phase.CLOSED and session.closed
+
+
+def epoch_of(loader: aioloader.DataLoader) -> list[list[int]]:
+    return [b.tolist() for b in loader]
+
+
+def owing(loader: aioloader.DataLoader) -> None:
+    """Take all of an epoch's batches and close it without asking for its end (as
+    Lightning and zip() do): its pass end is owed."""
+    it = iter(loader)
+    assert [next(it).tolist() for _ in range(3)] == pass_of(0)
+    it.close()  # type: ignore[attr-defined]
+
+
+def test_a_close_with_a_pass_end_owed_then_set_epoch_counts_the_pass_once() -> None:
+    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+                                  quiet=True)
+    owing(loader)
+    loader.close()
+    loader.set_epoch(1)  # Lightning's call before the next epoch
+    with loader:
+        assert epoch_of(loader) == pass_of(1)
+
+
+def test_a_loaded_state_is_where_the_next_epoch_starts_even_with_a_pass_end_owed() -> None:
+    source = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+                                  quiet=True)
+    with source:
+        it = iter(source)
+        next(it)
+        state = source.state_dict()  # after epoch 0's first batch
+        it.close()  # type: ignore[attr-defined]
+    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
+                                  quiet=True)
+    owing(loader)
+    loader.load_state_dict(state)
+    with loader:
+        assert epoch_of(loader) == pass_of(0)[1:]
+
+
 @pytest.mark.parametrize(("phase", "event"),
                          [(p, e) for p, e in itertools.product(Phase, Event)
                           if (p, e) not in MOVES], ids=lambda v: v.name)
@@ -304,6 +388,6 @@ def test_loader_ray_options_is_a_read_only_view() -> None:
         options["num_cpus"] = 4  # type: ignore[index]
     given["num_cpus"] = 8  # the caller's dict is not the loader's either
     assert loader.ray_options is not None and loader.ray_options["num_cpus"] == 1
-    with pytest.raises(AttributeError, match="DataLoader.ray_options is fixed"):
+    with pytest.raises(AttributeError, match=r"DataLoader\.ray_options is fixed"):
         loader.ray_options = {}  # type: ignore[misc]
     assert aioloader.DataLoader(list(range(4)), quiet=True).ray_options is None

@@ -1,4 +1,5 @@
-"""In-process tests of the middle: a Session over a fake producer, and a Run's phases.
+"""In-process tests of the middle: a Session over a fake producer (a Run's phases:
+test_run_phases.py).
 
 No worker process and no DataLoader face: the session is driven with a producer whose steps
 the test hands it, and the run with an in-process (num_workers=0) config.
@@ -9,14 +10,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
 
 import pytest
 
-import aioloader
 from aioloader import LoaderClosedError, LoaderTimeoutError
 from aioloader._stats import NO_ARENA, ArenaStats, WorkerStats
-from aioloader.run._run import Phase, Run
 from aioloader.run._session import Session, State
 from aioloader.workers._steps import Delivered, PassDone, Step
 
@@ -156,154 +154,3 @@ async def test_a_failed_start_closes_the_producer_without_grace() -> None:
     with pytest.raises(OSError, match="no room"):
         await session.start()
     assert session.state is State.CLOSED and producer.closed_with == 0.0
-
-
-# ------------------------------------------------------------------ the run's phases
-
-
-class Token:
-    """An epoch, as the run sees one."""
-
-    def __init__(self) -> None:
-        self.abandoned = self.superseded = self.waiting = False
-
-    def abandon(self, superseded: bool = False) -> None:
-        self.abandoned, self.superseded = True, superseded
-
-
-def make_run(**options: Any) -> Run:
-    loader = aioloader.DataLoader(list(range(6)), batch_size=2, quiet=True, seed=3, **options)
-    return Run(loader.config)
-
-
-async def epoch_values(run: Run, token: Token) -> list[list[int]]:
-    session = await run.begin(token, private=False)
-    got = []
-    while (step := await run.next(session)) is not None:
-        got.append(step.value.tolist())
-    await run.end(token, session, stop=False)
-    return got
-
-
-async def test_a_complete_epoch_goes_idle_and_keeps_its_session() -> None:
-    run = make_run()
-    assert run.phase is Phase.IDLE
-    token = Token()
-    session = await run.begin(token, private=False)
-    assert run.phase is Phase.IN_EPOCH and run.is_current(token)
-    values = []
-    while (step := await run.next(session)) is not None:
-        values.append(step.value.tolist())
-    assert values == [[0, 1], [2, 3], [4, 5]]
-    await run.end(token, session, stop=False)
-    assert run.phase is Phase.IDLE and not run.in_epoch()
-    assert run.session_is(session) and not session.closed  # kept for the next epoch
-    await run.aclose()
-    assert run.phase is Phase.CLOSED and session.closed
-
-
-async def test_an_epoch_closed_after_its_last_batch_owes_its_pass_end() -> None:
-    run = make_run(shuffle=True)
-    first = Token()
-    session = await run.begin(first, private=False)
-    taken = [await run.next(session) for _ in range(3)]  # all of them, not the end
-    assert all(step is not None for step in taken)
-    await run.leave(first, session)
-    assert run.phase is Phase.PASS_OWED and not session.closed
-    second = await epoch_values(run, Token())  # takes the owed pass end first
-    assert run.phase is Phase.IDLE
-    again = make_run(shuffle=True)
-    await epoch_values(again, Token())
-    assert second == await epoch_values(again, Token())  # pass 1, as an uninterrupted run
-    await run.aclose()
-    await again.aclose()
-
-
-async def test_a_second_epoch_while_one_waits_for_a_batch_is_refused() -> None:
-    run = make_run()
-    token = Token()
-    session = await run.begin(token, private=False)
-    assert await run.next(session) is not None
-    token.waiting = True  # its consumer, in another task, waits for a batch
-    with pytest.raises(aioloader.LoaderBusyError):
-        await run.begin(Token(), private=False)
-    assert run.is_current(token) and not token.abandoned
-    await run.end(token, session, stop=True, grace=0.0)
-    assert session.closed and run.phase is Phase.IDLE
-    await run.aclose()
-
-
-async def test_a_second_epoch_supersedes_one_half_consumed() -> None:
-    run = make_run()
-    first, second = Token(), Token()
-    session = await run.begin(first, private=False)
-    assert await run.next(session) is not None
-    again = await run.begin(second, private=False)
-    assert first.abandoned and first.superseded and run.is_current(second)
-    got = []
-    while (step := await run.next(again)) is not None:
-        got.append(step.value.tolist())
-    assert got == [[0, 1], [2, 3], [4, 5]]  # the pass again, from its start
-    await run.end(second, again, stop=False)
-    await run.aclose()
-
-
-async def test_a_close_from_another_thread_ends_the_epoch_in_progress() -> None:
-    run = make_run(batches_per_epoch=10**6)  # an epoch that never ends by itself
-    token = Token()
-    session = await run.begin(token, private=False)
-    assert await run.next(session) is not None
-    closer = threading.Thread(target=run.close)
-    closer.start()
-    with pytest.raises(LoaderClosedError):
-        while True:  # steps until the close reaches the session
-            await asyncio.wait_for(run.next(session), 30)
-    await asyncio.to_thread(closer.join)
-    await run.end(token, session, stop=True, grace=0.0)
-    assert run.phase is Phase.CLOSED and session.closed
-
-
-def epoch_of(loader: aioloader.DataLoader) -> list[list[int]]:
-    return [b.tolist() for b in loader]
-
-
-def fresh(epoch: int) -> list[list[int]]:
-    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
-                                  quiet=True)
-    loader.set_epoch(epoch)
-    with loader:
-        return epoch_of(loader)
-
-
-def owing(loader: aioloader.DataLoader) -> None:
-    """Take all of an epoch's batches and close it without asking for its end (as
-    Lightning and zip() do): its pass end is owed."""
-    it = iter(loader)
-    assert [next(it).tolist() for _ in range(3)] == fresh(0)
-    it.close()  # type: ignore[attr-defined]
-
-
-def test_a_close_with_a_pass_end_owed_then_set_epoch_counts_the_pass_once() -> None:
-    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
-                                  quiet=True)
-    owing(loader)
-    loader.close()
-    loader.set_epoch(1)  # Lightning's call before the next epoch
-    with loader:
-        assert epoch_of(loader) == fresh(1)
-
-
-def test_a_loaded_state_is_where_the_next_epoch_starts_even_with_a_pass_end_owed() -> None:
-    source = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
-                                  quiet=True)
-    with source:
-        it = iter(source)
-        next(it)
-        state = source.state_dict()  # after epoch 0's first batch
-        it.close()  # type: ignore[attr-defined]
-    loader = aioloader.DataLoader(list(range(6)), batch_size=2, shuffle=True, seed=3,
-                                  quiet=True)
-    owing(loader)
-    loader.load_state_dict(state)
-    with loader:
-        assert epoch_of(loader) == fresh(0)[1:]
