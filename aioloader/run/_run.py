@@ -222,7 +222,7 @@ class Run:
         """Take the pass end that an earlier, fully consumed epoch left unasked for."""
         step = await session.next(self.config.output.timeout)
         if isinstance(step, PassDone):
-            self._pass_done()
+            self._pass_end()
             return session
         # The epoch was longer than len() said (a sampler whose len() is off): start the
         # pass again rather than lose the batch just taken.
@@ -243,7 +243,8 @@ class Run:
             if even is None:
                 self._pass_end()
                 return None
-            self.padded += repeat
+            if repeat:
+                self.padded += 1
             self._handed()
             return even
         while limit is None or self._produced < limit:
