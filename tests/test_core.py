@@ -186,8 +186,11 @@ async def test_other_tasks_run_while_batches_come_without_a_wait():
     assert batches == 25_000
     took = turns[-1] - turns[0]
     gaps = [b - a for a, b in itertools.pairwise(turns)]
-    # Without the yields the task waited for the whole epoch but its first few batches.
-    assert max(gaps) < min(0.1, took / 4), f"longest wait {max(gaps) * 1000:.0f} ms"
+    # Without the yields the task waited for the whole epoch but its first few batches. The
+    # bound is relative (a quarter of the epoch), not a number of milliseconds: a loaded
+    # 2-core box deschedules the whole process for 100 ms and more now and then.
+    assert len(turns) > batches / 100, f"the other task ran {len(turns)} times"
+    assert max(gaps) < took / 4, f"longest wait {max(gaps) * 1000:.0f} ms of {took:.2f} s"
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
