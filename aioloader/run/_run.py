@@ -40,7 +40,8 @@ from ..plans._sources import Kind
 from ..plans._state import Cursor, ResumePoint, choose, make_state, read_state
 from ..workers._phases import RestartBudget
 from ..workers._producers import CachedInstances
-from ..workers._starting import StandbyPool, warm_forkserver
+from ..workers._standby import StandbyPool
+from ..workers._starting import warm_forkserver
 from ..workers._steps import Delivered, PassDone, Step
 from ._bars import progress_bar
 from ._padding import Padding, even_refusal
