@@ -32,8 +32,8 @@ error: the actor's exit, and a death the Roster counts. It becomes a
 :class:`~aioloader.WorkerDied` naming the worker, its actor, node and pid; within
 ``max_worker_restarts`` it is :class:`~aioloader.workers._phases.WorkerLost` instead, raised
 where that worker's next batch is due (the batches it delivered before come first), and the
-producer's ``restart`` starts a new actor from the consumer's position. Closing kills every actor and drops every reference, so nothing of the loader
-stays in the object store.
+producer's ``restart`` starts a new actor from the consumer's position. Closing kills every
+actor and drops every reference, so nothing of the loader stays in the object store.
 
 Imports Ray only when a supervisor starts: ``import aioloader`` never needs it.
 """
