@@ -22,6 +22,7 @@ Bugs this audit found, fixed (issue 22 audit), each a test below:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import os
@@ -174,7 +175,7 @@ def _in_flight(loader: aioloader.DataLoader) -> list[list[Any]]:
     """The ObjectRefs of every actor's calls in flight (the supervisor's own)."""
     session = loader._run._session  # (internals: the calls the object store holds for)
     assert session is not None
-    return [list(a.calls) for a in session.producer.sup.actors]
+    return [list(w.link.calls) for w in session.producer.sup.workers]
 
 
 def _settled(loader: aioloader.DataLoader) -> int:
@@ -228,6 +229,66 @@ async def test_backpressure_at_most_prefetch_batches_per_worker(by_value: Cluste
 
 
 # ---------------------------------------------------------------------- faults
+
+
+class Numbers(Dataset[int]):
+    """A map-style dataset of keys: its load_fn builds the samples."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class PeakLoads:
+    """An async load_fn that counts the loads in flight in its actor (all on the actor's
+    one load loop) and holds each until ``target`` are in flight at once; each sample
+    carries the most seen so far. ``patience``: a loader that never gets there (one
+    batch's keys at a time) is let go, and its samples say how far it got."""
+
+    def __init__(self, target: int, patience: float) -> None:
+        self.target, self.patience = target, patience
+        self.now = self.peak = 0
+        self.reached: asyncio.Event | None = None
+
+    async def __call__(self, key: int) -> dict[str, Any]:
+        if self.reached is None:
+            self.reached = asyncio.Event()
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        if self.now >= self.target:
+            self.reached.set()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.reached.wait(), self.patience)
+            self.reached.set()  # (gave up: nobody is held again)
+            return {"k": key, "peak": self.peak}
+        finally:
+            self.now -= 1
+
+
+def test_map_style_loads_overlap_across_batches(by_value: Cluster) -> None:
+    """Issue 34: a load stage on a Ray actor starts a batch's loads while the batches
+    before it still load, as a process worker does; ``concurrency`` bounds them (the calls
+    in flight, ``slots``, are enough batches for that many)."""
+    batch, concurrency = 4, 12
+    loader = aioloader.DataLoader(Numbers(48), batch_size=batch, num_workers=1,
+                                  load_fn=PeakLoads(batch + 1, 20.0), concurrency=concurrency,
+                                  **RAY, quiet=True)
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    assert [b["k"].tolist() for b in batches] == [list(range(i, i + batch))
+                                                  for i in range(0, 48, batch)]
+    peak = max(int(b["peak"].max()) for b in batches)
+    print(f"at most {peak} loads in flight at once in the actor (one batch: {batch} keys; "
+          f"concurrency={concurrency})")
+    assert batch < peak <= concurrency, peak
 
 
 def test_death_before_the_first_reply_heals_within_restarts(by_value: Cluster,

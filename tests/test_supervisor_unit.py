@@ -29,7 +29,8 @@ from aioloader.workers._phases import (
     WorkerLost,
     WorkerState,
 )
-from aioloader.workers._supervisor import Ended, Received, Supervisor
+from aioloader.workers._supervising import Ended, Received
+from aioloader.workers._supervisor import Supervisor
 
 pytestmark = pytest.mark.deadline(30)
 

@@ -12,7 +12,7 @@ import os
 import threading
 
 from .._loops import running_loop
-from ..workers._starting import StandbyPool
+from ..workers._standby import StandbyPool
 from ._portal import Portal
 from ._session import GRACE, Session
 

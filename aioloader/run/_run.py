@@ -26,7 +26,8 @@ from ..plans._sources import Kind
 from ..plans._state import Cursor, ResumePoint
 from ..workers._phases import RestartBudget
 from ..workers._producers import CachedInstances
-from ..workers._starting import StandbyPool, warm_forkserver
+from ..workers._standby import StandbyPool
+from ..workers._starting import warm_forkserver
 from ..workers._steps import Delivered, PassDone
 from ._checkpoint import cached_count, held_point, point_of, resumed_cursor, state_of, warn_skipping
 from ._owned import Owned

@@ -28,7 +28,7 @@ from ..workers._producers import (
     WorkerInstances,
     WorkerStream,
 )
-from ..workers._starting import StandbyPool
+from ..workers._standby import StandbyPool
 from ..workers._supervisor import Supervisor
 from ..workers._worker import Plan as Role
 from ..workers._worker import WorkerSpec

@@ -24,7 +24,7 @@ from ..plans._position import BlockStart, ShardPosition, ShardTracker, StreamPos
 from ..plans._sources import shard_spec
 from ._phases import WorkerLost
 from ._steps import Delivered, PassDone, Step
-from ._supervisor import Arrival, Ended, Received
+from ._supervising import Arrival, Ended, Received
 from ._worker import WorkerSpec
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)

@@ -38,7 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -189,6 +189,7 @@ class RayWorker:
         self.work = ThreadPoolExecutor(1, thread_name_prefix="aioloader-ray-call")
         self.turns: asyncio.Condition | None = None  # on Ray's loop, made by the first call
         self.turn = 0  # the number of the call whose turn it is
+        self.begun = 0  # index calls whose loads have started (they start in call order)
         self.skipped: list[SkippedLoad] = []
         self.failure: Raised | None = None
         self.stack = contextlib.AsyncExitStack()
@@ -246,18 +247,32 @@ class RayWorker:
     # ------------------------------------------------------------------ index batches
 
     async def fetch(self, call: int, seq: int, indices: list[int]) -> Reply:
-        """Map-style batch ``seq``: fetch ``indices`` and collate them (call ``call``)."""
-        return await self._in_turn(call, self._fetch, seq, indices)
+        """Map-style batch ``seq``: fetch ``indices`` and collate them (call ``call``).
+        With a load stage, the batch's loads start as soon as the calls before it started
+        theirs, not when its turn comes: loads overlap across the batches in flight (the
+        parent's calls bound them, the stage's gate too), as in a process worker."""
+        loading = await self._start_loads(call, indices) if self.stage is not None else None
+        return await self._in_turn(call, self._fetch, seq, indices, loading)
 
-    def _fetch(self, seq: int, indices: list[int]) -> Reply:
+    async def _start_loads(self, call: int, indices: list[int]) -> Future[list[Any]] | None:
+        if self.turns is None:
+            self.turns = asyncio.Condition()
+        async with self.turns:
+            await self.turns.wait_for(lambda: self.begun == call)
+            self.begun += 1
+            self.turns.notify_all()
+        if self.failure is not None or self.stage is None:
+            return None
+        return asyncio.run_coroutine_threadsafe(self.stage.fetch(self.spec.source, indices),
+                                                self.loop)
+
+    def _fetch(self, seq: int, indices: list[int],
+               loading: Future[list[Any]] | None = None) -> Reply:
         if self.failure is not None:
             return self.failure
         began = time.monotonic()
         try:
-            if self.stage is not None:
-                items = self._run(self.stage.fetch(self.spec.source, indices))
-            else:
-                items = self.pipe.fetch(indices)
+            items = loading.result() if loading is not None else self.pipe.fetch(indices)
             # Every key of the batch skipped: an empty answer, which the parent passes over.
             value = self.pipe.collate(items) if items or self.stage is None else None
             mark = None if value is not None or self.stage is None else ALL_SKIPPED

@@ -1,4 +1,4 @@
-"""Owns the worker processes (or threads) of one session: start, watch, stop, reap.
+"""The process transport: owns the worker processes (or threads) of one session.
 
 The parent side of every worker is one non-blocking socket whose fd the running event loop
 watches with ``add_reader``, plus the process sentinel, watched the same way, so that a
@@ -8,9 +8,10 @@ outlive one event loop and serve the next.
 
 Decide, then await: which phase each worker is in and what a message, an exit or a
 consumer's request leads to is the :class:`~aioloader.workers._phases.Roster`'s, pure and
-synchronous; the supervisor executes its actions and does the I/O and the awaiting around
-them. Starting and stopping processes is aioloader/workers/_starting.py's. Batches reach sessions as
-:class:`Received` values and :class:`Ended` passes, through each worker's
+synchronous; the consumer's side of it (receive, heal, restart) is
+:class:`~aioloader.workers._supervising.Supervising`'s, shared with Ray's actors. This module
+is the transport under them: sockets, sentinels, arenas. Starting and stopping processes is
+aioloader/workers/_starting.py's. Batches come through each worker's
 :class:`~aioloader.plane._dataplane.SlotLedger`; the supervisor has no batch logic of its own.
 Thread workers (``_threads.ThreadWorker``) go through the same paths: a handle that looks
 like a process, a socket, and a ledger of batches by reference.
@@ -19,52 +20,39 @@ like a process, a socket, and a ledger of batches by reference.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
-import pickle
 import signal
-import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias, overload
+from typing import Any
 
-from .._errors import BatchFailure, WorkerDied, WorkerError, describe_exit, worker_error_for
+from .._errors import WorkerDied, WorkerError
 from .._stats import ArenaStats, WorkerStats
 from ..pipeline._loads import SkipLog, SkippedLoad
 from ..plane import _wire as wire
 from ..plane._dataplane import Ledger, RefLedger, Shelf, SlotLedger
 from ..plans._position import ShardPosition
+from ._link import Link, Worker, worker_error
 from ._phases import (
     ALIVE,
-    Deliver,
-    EndPass,
     Inbound,
     Phase,
-    Raise,
     RestartBudget,
-    Roster,
-    StartSuccessor,
-    Switch,
     WorkerState,
 )
+from ._pickling import check_picklable
+from ._standby import Standby, StandbyPool, hand_off_worker
 from ._starting import (
     EXIT_GRACE,
-    Handle,
-    Launch,
-    Standby,
-    StandbyPool,
     Starts,
-    check_picklable,
-    close_parent,
-    hand_off_worker,
     new_process,
     socket_pair,
     start_worker,
     stop_processes,
 )
+from ._supervising import Supervising, worker_stats
 from ._threads import ThreadWorker
 from ._worker import WorkerSpec
 
@@ -73,92 +61,21 @@ log = logging.getLogger("aioloader")
 _REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
-@dataclass(frozen=True, slots=True)
-class Received:
-    """A batch (or a chunk of instances) taken from a worker, the consumer's own; ``seq`` and
-    ``mark`` (where a stream's batch lies in its pass) as the worker sent them."""
-
-    value: Any
-    seq: int
-    mark: Any
-    nbytes: int  # tensor bytes (telemetry)
-
-
-@dataclass(frozen=True, slots=True)
-class Ended:
-    """The worker finished pass ``pass_no`` of its shard."""
-
-    pass_no: int
-
-
-Arrival = Received | Ended
-
-
-@dataclass(eq=False)
-class Link:
-    """The parent's end of one worker: its socket and what goes through it, its ledger, its
-    start. The pipe's EOF is a fact of the link, apart from the worker's phase."""
-
-    sock: socket.socket
-    ledger: Ledger
-    launch: Launch
-    frames: wire.FrameReader = field(default_factory=wire.FrameReader)
-    fds: collections.deque[int] = field(default_factory=collections.deque)
-    outbox: bytearray = field(default_factory=bytearray)
-    eof: bool = False
-
-    @property
-    def process(self) -> Handle:
-        return self.launch.process
-
-    @property
-    def pid(self) -> int | None:
-        return self.launch.process.pid
-
-    def close(self) -> None:
-        """EOF: the worker's signal to stop; fds received and not taken go too."""
-        close_parent(self.sock)
-        while self.fds:
-            os.close(self.fds.popleft())
-
-
-Worker: TypeAlias = WorkerState[Link]
-
-
-class Supervisor:
+class Supervisor(Supervising[Link]):
     """Starts ``num_workers`` processes for ``spec`` and moves messages to and from them."""
 
     def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
                  lease: bool = True, budget: RestartBudget | None = None,
                  skips: SkipLog | None = None, standby: StandbyPool | None = None) -> None:
-        self.spec = spec
-        self.num_workers = num_workers
+        super().__init__(spec, num_workers, budget, skips)
         self.start_method = start_method
         self.lease = lease
-        self.budget = budget if budget is not None else RestartBudget()
-        self.roster: Roster[Link] = Roster(self.budget)
-        self.skips = skips if skips is not None else SkipLog()  # on_error="skip"
-        self.last_heard = time.monotonic()  # any word from any worker: the timeout's clock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._reaping = threading.Lock()
         self._retired: list[Worker] = []  # replaced processes, reaped at the end
         self.standby = standby  # spawn: the loader's warm processes, for the first start
         self._standbys: list[Standby] = []  # taken from it and not used yet
-        self._awaited: int | None = None  # the worker the consumer waits for in receive()
-        self._restarting = False  # a replacement's start is awaited: that is no silence
-
-    @property
-    def workers(self) -> list[Worker]:
-        return self.roster.workers
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self.roster.failure
-
-    @property
-    def closed(self) -> bool:
-        return self.roster.closed
 
     # ------------------------------------------------------------------ start
 
@@ -187,9 +104,7 @@ class Supervisor:
                 if standby is not None:
                     self._standbys.remove(standby)
             for w in self.workers:
-                # Shielded: cancelling the wait must not cancel a start still queued in the
-                # starter thread (its child socket would never be closed); reaping waits.
-                await asyncio.shield(asyncio.wrap_future(w.link.launch.future))
+                await self._up(w)
                 self.roster.started(w)
         except BaseException:
             await self.aclose(0.0)
@@ -235,64 +150,42 @@ class Supervisor:
         """Wait for retired processes off the loop, so they do not linger as zombies."""
         await asyncio.get_running_loop().run_in_executor(None, self._reap, EXIT_GRACE, True)
 
-    def _start_successor(self, action: StartSuccessor) -> None:
-        w = self.workers[action.worker_id]
-        spec = self.spec.for_worker(w.id)
-        if action.position is not None:  # a stream: the successor goes on from there
-            spec = spec.starting_at(ShardPosition.from_data(action.position),
-                                    self.num_workers)
-        self.roster.add_successor(w, self._spawn(spec))
-        log.info("worker %d (pid %s) is retiring (recycle %d); its successor starts",
-                 w.id, w.link.pid, self.budget.recycles)
+    def _new(self, worker_id: int, start: ShardPosition | None) -> Worker:
+        spec = self.spec.for_worker(worker_id)
+        if start is not None:
+            spec = spec.starting_at(start, self.num_workers)
+        return self._spawn(spec)
+
+    async def _up(self, w: Worker) -> None:
+        # Shielded: cancelling the wait must not cancel a start still queued in the
+        # starter thread (its child socket would never be closed); reaping waits.
+        await asyncio.shield(asyncio.wrap_future(w.link.launch.future))
+
+    def _watch_new(self, w: Worker) -> None:
+        if self._loop is not None:
+            self._watch(w)
+
+    def _named(self, w: Worker) -> str:
+        return f"worker {w.id} (pid {w.link.pid})"
 
     async def _switch(self, worker_id: int) -> None:
         """Worker ``worker_id``'s successor takes its place (recycling)."""
         old = self.workers[worker_id]
         new = old.successor
         assert new is not None
-        await asyncio.shield(asyncio.wrap_future(new.link.launch.future))
+        await self._up(new)
         then = self.roster.switched(worker_id)
         if self.closed:
             return  # closing covered both (the successor was still the old one's)
         for seq, indices in new.sent.items():  # what the retiring one did not answer
             self._send_to(new, wire.Task(seq, indices))
         self._let_go([old])
-        if self._loop is not None:
-            self._watch(new)
+        self._watch_new(new)
         task = asyncio.get_running_loop().create_task(self._reap_retired())
         _REAPS.add(task)
         task.add_done_callback(_REAPS.discard)
         if then is not None:  # the next hand-over that waited for this one
             self._start_successor(then)
-
-    async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None:
-        """Replace worker ``worker_id``, which died
-        (:class:`~aioloader.workers._phases.WorkerLost`), by a new process with the same shard
-        and seeds; a stream's starts at ``start``."""
-        spec = self.spec.for_worker(worker_id)
-        if start is not None:
-            spec = spec.starting_at(start, self.num_workers)
-        new = self._spawn(spec)
-        died, gone = self.roster.restart(worker_id, new)
-        self._let_go(gone)
-        how = (f"hung: no word for {died.hung:.1f} s while a batch was owed; killed"
-               if died.hung is not None else f"died: {describe_exit(died.exitcode)}")
-        log.warning("worker %d (pid %s) %s (a %s); restarting it (restart %d of "
-                    "max_worker_restarts=%d)%s", worker_id, died.pid, how, died.kind,
-                    len(self.budget.deaths), self.budget.limit,
-                    f", from pass {start.pass_no} block {start.start.block}"
-                    if start is not None else "")
-        self._restarting = True
-        try:
-            await asyncio.shield(asyncio.wrap_future(new.link.launch.future))
-        finally:
-            self._restarting = False
-        if self.closed:
-            return  # closed meanwhile: reaping covers it
-        self.roster.started(new)
-        self.last_heard = time.monotonic()  # the replacement is up: a sign of life
-        if self._loop is not None:
-            self._watch(new)
 
     # ------------------------------------------------------------------ watch
 
@@ -357,22 +250,12 @@ class Supervisor:
 
     def _drain(self, w: Worker) -> None:
         link = w.link
-        while not link.eof:
-            try:
-                data, fds, _flags, _addr = socket.recv_fds(link.sock, 1 << 18, 4)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data, fds = b"", []
-            link.fds.extend(fds)
-            if not data:
-                link.eof = True
-                if self._loop is not None:
-                    self._loop.remove_reader(link.sock.fileno())
-                return
+        while (got := link.read()) is not None:
             self.last_heard = w.heard = time.monotonic()
-            for msg in link.frames.feed(data):
+            for msg in got:
                 self._accept(w, msg)
+        if link.eof and self._loop is not None:
+            self._loop.remove_reader(link.sock.fileno())
 
     def _accept(self, w: Worker, msg: wire.Message) -> None:
         if isinstance(msg, wire.Arena):
@@ -388,7 +271,7 @@ class Supervisor:
             if isinstance(msg, (wire.Batch, wire.PassEnd)):
                 w.link.ledger.published(msg.slot)
             inbound: Inbound = msg if not isinstance(msg, (wire.Failed, wire.BatchFailed)) \
-                else _worker_error(w, msg)
+                else worker_error(w, msg)
             action = self.roster.on_message(w, inbound)
             if action is not None:
                 self._start_successor(action)
@@ -413,61 +296,28 @@ class Supervisor:
             self.roster.on_exit(w)  # the session failed: an exit, no death to count
         self._wake()
 
-    async def receive(self, worker_id: int, *, lease: bool = True) -> Arrival:
-        """The next batch or pass end of worker ``worker_id``.
+    async def _take(self, w: Worker, msg: wire.Batch, lease: bool) -> Any:
+        return await w.link.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
 
-        Raises the session's first failure, or :class:`LoaderClosedError` once closed.
-        A worker's own exception waits in its inbox: it is raised (and becomes the
-        session's failure) when it is that worker's turn, so earlier batches come first.
-        A worker that died is :class:`~aioloader.workers._phases.WorkerLost` once what it sent
-        before is taken.
-        """
-        while True:
-            action = self.roster.next_step(worker_id)
-            w = self.workers[worker_id]
-            if isinstance(action, Raise):
-                raise action.error
-            if isinstance(action, EndPass):
-                w.link.ledger.skip(action.msg.slot)
-                return Ended(action.msg.pass_no)
-            if isinstance(action, Deliver):
-                msg = action.msg
-                value = await w.link.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
-                w.took(msg)
-                return Received(value, msg.seq, msg.mark, msg.nbytes)
-            if isinstance(action, StartSuccessor):
-                self._start_successor(action)
-                continue
-            if isinstance(action, Switch):
-                await self._switch(worker_id)
-                continue
-            assert self._loop is not None, "receive() outside an attached epoch"
-            w.link.ledger.reclaim()
-            self._waiter = self._loop.create_future()
-            self._awaited = worker_id
-            try:
-                await self._waiter
-            finally:
-                self._waiter = self._awaited = None
+    def _pass_ended(self, w: Worker, msg: wire.PassEnd) -> None:
+        w.link.ledger.skip(msg.slot)
 
-    def heal(self, silence: float) -> bool:
-        """Nothing was heard for ``silence`` seconds (the loader's ``timeout``) while the
-        consumer waited: kill the worker it waits for if that one hung (a deadlock in user
-        code, a read that never returns, SIGSTOP) and a restart can replace it. SIGKILL
-        ends a stopped process too; its exit then takes a crash's path (its work is built
-        again, exactly once, in order). True: healing, keep waiting. Thread workers cannot
-        be killed: a hung one times out."""
-        if self._restarting:
-            return True
-        if self._awaited is None or self.spec.workers.threaded:
+    async def _wait(self, worker_id: int) -> None:
+        assert self._loop is not None, "receive() outside an attached epoch"
+        self.workers[worker_id].link.ledger.reclaim()
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _can_kill(self) -> bool:
+        return not self.spec.workers.threaded  # a hung thread times out
+
+    def _kill(self, w: Worker, silence: float) -> bool:
+        """SIGKILL ends a stopped process too; its exit then takes a crash's path."""
+        if w.link.pid is None:
             return False
-        awaited = self.workers[self._awaited]
-        if awaited.silenced is not None and awaited.phase in ALIVE:
-            return True  # killed already: its exit is on its way (a loaded machine)
-        w = self.roster.hung(self._awaited, silence, time.monotonic())
-        if w is None or w.link.pid is None:
-            return False
-        assert w.silenced is not None
         log.warning("worker %d (pid %s) hung: no word for %.1f s (timeout=%s) while the "
                     "consumer waited for its batch; killing it (SIGKILL) to replace it",
                     w.id, w.link.pid, w.silenced, silence)
@@ -487,45 +337,21 @@ class Supervisor:
             self._send_to(self.workers[worker_id], wire.Task(seq, indices))
 
     def _send_to(self, w: Worker, msg: wire.Message) -> None:
-        link = w.link
-        if link.eof or self.closed or link.sock.fileno() < 0:
+        if self.closed or not w.link.send(msg):
             return
-        frame = wire.encode(msg)
-        if link.outbox:
-            link.outbox += frame
-            return
-        try:
-            sent = link.sock.send(frame)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            return  # the worker is gone; its sentinel tells why
-        if sent < len(frame):
-            link.outbox += frame[sent:]
-            if self._loop is not None and w is self.workers[w.id]:  # else: watched later
-                self._loop.add_writer(link.sock.fileno(), self._on_writable, w)
+        if self._loop is not None and w is self.workers[w.id]:  # else: watched later
+            self._loop.add_writer(w.link.sock.fileno(), self._on_writable, w)
 
     def _on_writable(self, w: Worker) -> None:
-        link = w.link
-        try:
-            sent = link.sock.send(link.outbox)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            sent = len(link.outbox)
-        del link.outbox[:sent]
-        if not link.outbox and self._loop is not None:
-            self._loop.remove_writer(link.sock.fileno())
+        if w.link.flush() and self._loop is not None:
+            self._loop.remove_writer(w.link.sock.fileno())
 
     # ------------------------------------------------------------------ stop
 
     def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
         """Each worker's telemetry, and the arenas'; plain reads, no syscall."""
-        workers = tuple(
-            WorkerStats(w.id, w.link.pid if w.phase is not Phase.REAPED else None, w.batches,
-                        w.batches / max(w.last - w.born, 1e-9) if w.batches else 0.0,
-                        min(w.busy / max(w.last - w.born, 1e-9), 1.0) if w.batches else 0.0)
-            for w in list(self.workers))
+        workers = tuple(worker_stats(w, w.link.pid if w.phase is not Phase.REAPED else None)
+                        for w in list(self.workers))
         slots = filled = leased = nbytes = 0
         for w in list(self.workers):
             usage = w.link.ledger.usage()
@@ -611,32 +437,3 @@ class Supervisor:
             return
         for w in everyone:
             w.link.ledger.close()
-
-
-@overload
-def _worker_error(w: Worker, msg: wire.Failed) -> WorkerError: ...
-@overload
-def _worker_error(w: Worker, msg: wire.BatchFailed) -> BatchFailure: ...
-def _worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
-    """The worker's exception as the consumer sees it: a WorkerError that is also of the
-    original's type where possible (``except KeyError:`` still works, as with torch), the
-    worker's traceback in its message, the original as its ``__cause__`` (a thread
-    worker's by reference, so even one that does not pickle). One batch's error comes as
-    that batch's :class:`BatchFailure`."""
-    original: BaseException | None = None
-    ledger = w.link.ledger
-    if isinstance(ledger, RefLedger):
-        original = (ledger.shelf.error if isinstance(msg, wire.Failed)
-                    else ledger.shelf.errors.pop(msg.seq, None))
-    elif msg.pickled is not None:
-        with contextlib.suppress(Exception):
-            original = pickle.loads(msg.pickled)
-    pid = w.link.pid
-    err = worker_error_for(
-        original if isinstance(original, BaseException) else None,
-        f"worker {w.id} (pid {pid}) raised {msg.error_repr}\n\n"
-        "  Traceback from the worker:\n  " + msg.traceback.rstrip().replace("\n", "\n  "),
-        worker_id=w.id, pid=pid)
-    if isinstance(original, BaseException):
-        err.__cause__ = original
-    return BatchFailure(msg.seq, err) if isinstance(msg, wire.BatchFailed) else err

@@ -1,0 +1,122 @@
+"""The parent's end of one process (or thread) worker: its socket, its ledger, its start.
+
+What goes through the socket, both ways, and how a worker's exception comes back as the
+consumer's; the supervisor (aioloader/workers/_supervisor.py) decides when.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import pickle
+import socket
+from dataclasses import dataclass, field
+from typing import TypeAlias, overload
+
+from .._errors import BatchFailure, WorkerError
+from ..plane import _wire as wire
+from ..plane._dataplane import Ledger, RefLedger
+from ._phases import WorkerState
+from ._starting import Handle, Launch, close_parent
+from ._supervising import rebuilt_error
+
+
+@dataclass(eq=False)
+class Link:
+    """The parent's end of one worker: its socket and what goes through it, its ledger, its
+    start. The pipe's EOF is a fact of the link, apart from the worker's phase."""
+
+    sock: socket.socket
+    ledger: Ledger
+    launch: Launch
+    frames: wire.FrameReader = field(default_factory=wire.FrameReader)
+    fds: collections.deque[int] = field(default_factory=collections.deque)
+    outbox: bytearray = field(default_factory=bytearray)
+    eof: bool = False
+
+    @property
+    def process(self) -> Handle:
+        return self.launch.process
+
+    @property
+    def pid(self) -> int | None:
+        return self.launch.process.pid
+
+    def read(self) -> list[wire.Message] | None:
+        """The messages completed by the next bytes on the socket (fds go to ``fds``);
+        None when nothing waits, or at EOF (``eof`` says which)."""
+        while not self.eof:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 18, 4)
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError:
+                data, fds = b"", []
+            self.fds.extend(fds)
+            if not data:
+                self.eof = True
+                return None
+            return list(self.frames.feed(data))  # (a frame's start is a word too)
+        return None
+
+    def send(self, msg: wire.Message) -> bool:
+        """Send ``msg`` as far as the socket takes it now: True when the rest waits in
+        ``outbox`` for the socket to be writable (:meth:`flush`)."""
+        if self.eof or self.sock.fileno() < 0:
+            return False
+        frame = wire.encode(msg)
+        if self.outbox:
+            self.outbox += frame
+            return False
+        try:
+            sent = self.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return False  # the worker is gone; its sentinel tells why
+        self.outbox += frame[sent:]
+        return bool(self.outbox)
+
+    def flush(self) -> bool:
+        """The socket is writable: send what waits; True once nothing does."""
+        try:
+            sent = self.sock.send(self.outbox)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            sent = len(self.outbox)
+        del self.outbox[:sent]
+        return not self.outbox
+
+    def close(self) -> None:
+        """EOF: the worker's signal to stop; fds received and not taken go too."""
+        close_parent(self.sock)
+        while self.fds:
+            os.close(self.fds.popleft())
+
+
+Worker: TypeAlias = WorkerState[Link]
+
+
+@overload
+def worker_error(w: Worker, msg: wire.Failed) -> WorkerError: ...
+@overload
+def worker_error(w: Worker, msg: wire.BatchFailed) -> BatchFailure: ...
+def worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
+    """The worker's exception as the consumer sees it: a WorkerError that is also of the
+    original's type where possible (``except KeyError:`` still works, as with torch), the
+    worker's traceback in its message, the original as its ``__cause__`` (a thread
+    worker's by reference, so even one that does not pickle). One batch's error comes as
+    that batch's :class:`BatchFailure`."""
+    original: object = None
+    ledger = w.link.ledger
+    if isinstance(ledger, RefLedger):
+        original = (ledger.shelf.error if isinstance(msg, wire.Failed)
+                    else ledger.shelf.errors.pop(msg.seq, None))
+    elif msg.pickled is not None:
+        with contextlib.suppress(Exception):
+            original = pickle.loads(msg.pickled)
+    err = rebuilt_error(f"worker {w.id} (pid {w.link.pid})", msg.error_repr, msg.traceback,
+                        original, worker_id=w.id, pid=w.link.pid)
+    return BatchFailure(msg.seq, err) if isinstance(msg, wire.BatchFailed) else err

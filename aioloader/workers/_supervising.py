@@ -1,0 +1,236 @@
+"""What every supervisor does around its :class:`~aioloader.workers._phases.Roster`, whatever
+carries its workers.
+
+A process worker (or a thread) talks over a socket and an arena
+(aioloader/workers/_supervisor.py), a Ray worker over an actor's calls (aioloader/workers/_ray.py);
+both put what a worker says into the same Roster events (a batch, a pass end, a hand-over,
+an error, an exit) and act on the same answers. So the consumer's side is written once
+here: :meth:`Supervising.receive` runs the Roster's actions, :meth:`Supervising.heal` kills a
+hung worker, :meth:`Supervising.restart` replaces a lost one. A transport says only how to
+take a batch, wait for the next event, start, switch, kill and let go of a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from .._errors import WorkerError, worker_error_for
+from .._stats import WorkerStats
+from ..pipeline._loads import SkipLog
+from ..plane import _wire as wire
+from ..plans._position import ShardPosition
+from ._phases import (
+    ALIVE,
+    Deliver,
+    EndPass,
+    Raise,
+    RestartBudget,
+    Roster,
+    StartSuccessor,
+    Switch,
+    WorkerState,
+)
+from ._worker import WorkerSpec
+
+log = logging.getLogger("aioloader")
+
+L = TypeVar("L")
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A batch (or a chunk of instances) taken from a worker, the consumer's own; ``seq`` and
+    ``mark`` (where a stream's batch lies in its pass) as the worker sent them."""
+
+    value: Any
+    seq: int
+    mark: Any
+    nbytes: int  # tensor bytes (telemetry)
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The worker finished pass ``pass_no`` of its shard."""
+
+    pass_no: int
+
+
+Arrival = Received | Ended
+
+
+class Supervising(Generic[L]):
+    """A session's workers on one Roster; ``L``: what links the parent to one worker."""
+
+    def __init__(self, spec: WorkerSpec, num_workers: int, budget: RestartBudget | None,
+                 skips: SkipLog | None) -> None:
+        self.spec = spec
+        self.num_workers = num_workers
+        self.budget = budget if budget is not None else RestartBudget()
+        self.roster: Roster[L] = Roster(self.budget)
+        self.skips = skips if skips is not None else SkipLog()  # on_error="skip"
+        self.last_heard = time.monotonic()  # any word from any worker: the timeout's clock
+        self._awaited: int | None = None  # the worker the consumer waits for in receive()
+        self._restarting = False  # a replacement's start is awaited: that is no silence
+
+    @property
+    def workers(self) -> list[WorkerState[L]]:
+        return self.roster.workers
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.roster.failure
+
+    @property
+    def closed(self) -> bool:
+        return self.roster.closed
+
+    # ------------------------------------------------------------------ the transport's
+
+    def _new(self, worker_id: int, start: ShardPosition | None) -> WorkerState[L]:
+        """Worker ``worker_id`` registered and its start submitted; a stream's goes on
+        from ``start`` (None: where the spec says)."""
+        raise NotImplementedError
+
+    async def _up(self, w: WorkerState[L]) -> None:
+        """Wait until ``w``'s start is done (a death meanwhile goes to the Roster)."""
+        raise NotImplementedError
+
+    def _let_go(self, gone: list[WorkerState[L]]) -> None:
+        """Close the links of ``gone`` (retired by the Roster): they stop, and are reaped."""
+        raise NotImplementedError
+
+    def _watch_new(self, w: WorkerState[L]) -> None:
+        """``w`` replaced a worker in place: watch it as the others are watched."""
+
+    async def _take(self, w: WorkerState[L], msg: wire.Batch, lease: bool) -> Any:
+        """Batch ``msg``'s value, the consumer's own."""
+        raise NotImplementedError
+
+    def _pass_ended(self, w: WorkerState[L], msg: wire.PassEnd) -> None:
+        """``w``'s pass end ``msg`` is handed over: what it held may go."""
+
+    async def _switch(self, worker_id: int) -> None:
+        """Worker ``worker_id``'s successor takes its place (:class:`Switch`)."""
+        raise NotImplementedError
+
+    async def _wait(self, worker_id: int) -> None:
+        """Wait for the next event of worker ``worker_id`` (or of the session)."""
+        raise NotImplementedError
+
+    def _can_kill(self) -> bool:
+        """Whether a hung worker can be killed at all (a thread cannot)."""
+        return True
+
+    def _kill(self, w: WorkerState[L], silence: float) -> bool:
+        """Kill ``w``, hung (:meth:`heal`): False where it cannot be."""
+        raise NotImplementedError
+
+    def _named(self, w: WorkerState[L]) -> str:
+        """'worker 2 (pid 123)': ``w`` in a message."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the consumer's
+
+    def _start_successor(self, action: StartSuccessor) -> None:
+        w = self.workers[action.worker_id]
+        start = (ShardPosition.from_data(action.position) if action.position is not None
+                 else None)  # a stream: the successor goes on from there
+        self.roster.add_successor(w, self._new(w.id, start))
+        log.info("%s is retiring (recycle %d); its successor starts", self._named(w),
+                 self.budget.recycles)
+
+    async def receive(self, worker_id: int, *, lease: bool = True) -> Arrival:
+        """The next batch or pass end of worker ``worker_id``, in the order it sent them.
+
+        Raises the session's first failure, or :class:`LoaderClosedError` once closed.
+        A worker's own exception waits in its turn: it is raised (and becomes the session's
+        failure) when it is that worker's turn, so earlier batches come first. A worker that
+        died is :class:`~aioloader.workers._phases.WorkerLost` once what it sent before is
+        taken.
+        """
+        while True:
+            action = self.roster.next_step(worker_id)
+            w = self.workers[worker_id]
+            if isinstance(action, Raise):
+                raise action.error
+            if isinstance(action, EndPass):
+                self._pass_ended(w, action.msg)
+                return Ended(action.msg.pass_no)
+            if isinstance(action, Deliver):
+                msg = action.msg
+                value = await self._take(w, msg, lease)
+                w.took(msg)
+                return Received(value, msg.seq, msg.mark, msg.nbytes)
+            if isinstance(action, StartSuccessor):
+                self._start_successor(action)
+            elif isinstance(action, Switch):
+                await self._switch(worker_id)
+            else:
+                self._awaited = worker_id
+                try:
+                    await self._wait(worker_id)
+                finally:
+                    self._awaited = None
+
+    def heal(self, silence: float) -> bool:
+        """Nothing was heard for ``silence`` seconds (the loader's ``timeout``) while the
+        consumer waited: kill the worker it waits for if that one hung (a deadlock in user
+        code, a read that never returns, SIGSTOP) and a restart can replace it; its death
+        then takes a crash's path (its work is built again, exactly once, in order).
+        True: healing, keep waiting."""
+        if self._restarting:
+            return True
+        if self._awaited is None or not self._can_kill():
+            return False
+        awaited = self.workers[self._awaited]
+        if awaited.silenced is not None and awaited.phase in ALIVE:
+            return True  # killed already: its death is on its way (a loaded machine)
+        w = self.roster.hung(self._awaited, silence, time.monotonic())
+        return w is not None and self._kill(w, silence)
+
+    async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None:
+        """Replace worker ``worker_id``, which died
+        (:class:`~aioloader.workers._phases.WorkerLost`), by a new one with the same shard
+        and seeds; a stream's starts at ``start``. Index batches in flight are asked again
+        by the producer."""
+        new = self._new(worker_id, start)
+        died, gone = self.roster.restart(worker_id, new)
+        self._let_go(gone)
+        log.warning("%s (a %s); restarting it (restart %d of max_worker_restarts=%d)%s",
+                    died, died.kind, len(self.budget.deaths), self.budget.limit,
+                    f", from pass {start.pass_no} block {start.start.block}"
+                    if start is not None else "")
+        self._restarting = True
+        try:
+            await self._up(new)
+        finally:
+            self._restarting = False
+        if self.closed:
+            return  # closed meanwhile: reaping covers it
+        self.roster.started(new)
+        self.last_heard = time.monotonic()  # the replacement is up: a sign of life
+        self._watch_new(new)
+
+
+def worker_stats(w: WorkerState[Any], pid: int | None, node: str | None = None) -> WorkerStats:
+    """Worker ``w``'s telemetry: its batches, their rate and its busy share."""
+    alive = max(w.last - w.born, 1e-9)
+    return WorkerStats(w.id, pid, w.batches, w.batches / alive if w.batches else 0.0,
+                       min(w.busy / alive, 1.0) if w.batches else 0.0, node=node)
+
+
+def rebuilt_error(who: str, error_repr: str, traceback: str, original: object, *,
+                  worker_id: int, pid: int | None) -> WorkerError:
+    """A worker's exception as the consumer sees it: a WorkerError that is also of the
+    original's type where possible (``except KeyError:`` still works, as with torch), the
+    worker's traceback in its message, the original (when it came back) as its cause."""
+    err = worker_error_for(
+        original if isinstance(original, BaseException) else None,
+        f"{who} raised {error_repr}\n\n  Traceback from the worker:\n  "
+        + traceback.rstrip().replace("\n", "\n  "), worker_id=worker_id, pid=pid)
+    if isinstance(original, BaseException):
+        err.__cause__ = original
+    return err
