@@ -176,8 +176,25 @@ def test_exact_resume_mid_epoch(shards: Path, workers: int) -> None:
     formats_dist.check_resumed(whole, before, after, ordered=workers == 0)
 
 
-def test_resume_on_another_shape_is_refused_with_what_to_do(shards: Path) -> None:
-    formats_dist.check_reshape_refused(lambda workers: make_loader(shards, workers))
+def test_resume_on_other_numbers_of_workers(shards: Path) -> None:
+    formats_dist.check_workers_reshaped(lambda workers: make_loader(shards, workers), N,
+                                        lambda b: b["cls"].tolist())
+
+
+def test_resume_on_another_shape_with_fewer_shards_than_workers(tmp_path: Path) -> None:
+    # 2 shards, 3 workers: each worker kept every third sample of the pass; the new shapes
+    # deal the shards (2 workers) or read them whole (1), without what was delivered.
+    write_shards(tmp_path, shards=2, per_shard=9)
+    formats_dist.check_workers_reshaped(
+        lambda workers: aioloader.DataLoader(
+            WebDatasetReader(str(tmp_path / "shard-{000..001}.tar")), batch_size=2,
+            shuffle=True, seed=3, num_workers=workers, max_instances_in_memory=4, quiet=True),
+        18, lambda b: [int(i) for i in b["cls"]], start=3, to=(2, 0))
+
+
+@pytest.mark.deadline(300)
+def test_resume_on_other_numbers_of_ranks_and_workers(shards: Path, tmp_path: Path) -> None:
+    formats_dist.check_reshaped("webdataset", shards, tmp_path, N)
 
 
 def test_s3_url(shards: Path) -> None:
