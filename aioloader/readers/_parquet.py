@@ -200,7 +200,7 @@ class ParquetReader(PieceReader):
                 try:
                     table = await window.popleft()
                 except ParquetError as exc:
-                    self._skip(skips, files.urls[piece.file], f"row group {piece.row_group}",
+                    await self._skip(skips, files.urls[piece.file], f"row group {piece.row_group}",
                                exc)
                     at.counted += _left(piece.rows, at.offset, at.cut(dealt.mine[at.piece]))
                     at.next_piece()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._errors import ResumeError
+from .._loads import report_skipped
 from .._sources import Reader
 from ._jsonl import reader_shard
 from ._leftover import Count, Cut, Frontier, cuts, lane_of
@@ -188,7 +189,8 @@ class Skips:
         if len(self.skipped) == 1:
             warnings.warn(f"{self.reader}: skipping {member} of {piece} ({exc}); further "
                           f"errors are skipped without a warning and counted in "
-                          f"{self.reader}.num_skipped", UserWarning, stacklevel=3)
+                          f"{self.reader}.num_skipped (and in the loader's stats().skipped)",
+                          UserWarning, stacklevel=3)
 
 
 class PieceReader(Reader):
@@ -292,12 +294,14 @@ class PieceReader(Reader):
                 loaded["piece"], loaded["offset"], loaded["item"], loaded["counted"])
         return at
 
-    def _skip(self, skips: Skips, piece: str, member: str, exc: BaseException) -> None:
-        """Raise ``exc`` (``on_error="raise"``), or count and list it."""
+    async def _skip(self, skips: Skips, piece: str, member: str, exc: BaseException) -> None:
+        """Raise ``exc`` (``on_error="raise"``), or count and list it, and report it to the
+        loader reading this (``loader.stats().skipped``, ``loader.skipped``)."""
         if self.on_error == "raise":
             raise exc
         skips.add(piece, member, exc)
         self.num_skipped = len(skips.skipped)
+        await report_skipped(f"{piece}: {member}", exc)
 
     def _skips(self) -> Skips:
         """A new pass's record of what it skips."""

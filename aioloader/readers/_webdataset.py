@@ -232,7 +232,7 @@ class WebDatasetReader(PieceReader):
                             except StopAsyncIteration:
                                 break
                             except WebDatasetError as exc:
-                                self._skip(skips, url, exc.member, exc)
+                                await self._skip(skips, url, exc.member, exc)
                                 break  # a tar cannot be resynchronised: its rest goes
                             sample, after = got
                             n, item = at.counted, at.item
@@ -245,7 +245,7 @@ class WebDatasetReader(PieceReader):
                             try:
                                 instance = await self._decoded(sample, url)
                             except WebDatasetError as exc:
-                                self._skip(skips, url, exc.member, exc)
+                                await self._skip(skips, url, exc.member, exc)
                                 continue
                             yield instance
                     finally:  # closed here, not by the loop's finalizer (see ByteSource)
