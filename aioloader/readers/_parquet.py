@@ -126,8 +126,9 @@ class ParquetReader(PieceReader):
             (shuffle rows with the loader's ``shuffle=True`` and ``max_instances_in_memory``).
         seed: of that order.
         on_error: "raise" (a :class:`ParquetError` naming the file and row group) or
-            "skip": a row group that does not read is left out, warned about once and
-            counted in ``num_skipped`` (in the process that read it).
+            "skip": a row group that does not read is left out, warned about once,
+            counted in the loader's ``stats().skipped`` and ``skipped``, and in
+            ``num_skipped`` (in the process that read it).
         ahead: row groups read ahead per worker, in threads.
 
     Examples:

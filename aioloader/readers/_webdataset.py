@@ -151,8 +151,8 @@ class WebDatasetReader(PieceReader):
         seed: of that order.
         on_error: "raise" (a :class:`WebDatasetError` naming the shard and member) or
             "skip": a corrupt or truncated shard's rest, or a sample that does not decode,
-            is left out, warned about once and counted in ``num_skipped`` (in the process
-            that read it).
+            is left out, warned about once, counted in the loader's ``stats().skipped``
+            and ``skipped``, and in ``num_skipped`` (in the process that read it).
         chunk_size: bytes per ranged read of a shard.
         ahead: ranged reads in flight per worker (memory: ``ahead x chunk_size``).
         retries: more attempts per read on transient errors (``aioloader.Retry``'s rules).
