@@ -178,7 +178,7 @@ class SlotLedger:
                 and self.leased < self.slots - 1):
             self.leased += 1
             views = Lease(arena, slot, functools.partial(self._returned.append, slot))
-            return decode(tree, views.view)
+            return decode(tree, views)
         try:
             if nbytes >= COPY_IN_THREAD_BYTES:
                 return await asyncio.to_thread(decode, tree, copied_from(arena))
