@@ -124,8 +124,9 @@ class Setup:
             return ("the source splits itself between the workers or ranks, so the loader "
                     "cannot tell which shard read which instance: resume on the num_workers "
                     "and world size the state was taken with (or let the loader shard a "
-                    "reader, or give the reader a reshape_state(), as the format readers "
-                    "have)")
+                    "reader; a reader with a reshape_state(), as the format readers have, "
+                    "resumes on another shape when read lazily, max_instances_in_memory=N, "
+                    "without a BatchSampler)")
         if c.lazy:
             if c.batching.options.sampler is not None:
                 return ("a BatchSampler's blocks depend on their instances, so the batches a "

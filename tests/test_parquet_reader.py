@@ -207,6 +207,21 @@ def test_a_pass_resumed_on_another_shape_resumes_again_on_its_own(files: Path) -
         loader.load_state_dict(again)
 
 
+def test_a_cached_read_resumes_on_its_own_shape_only_and_says_so(files: Path) -> None:
+    # Without max_instances_in_memory the workers' instances are cached as they came: the
+    # loader cannot deal them again, and says how to read so that it could.
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(ParquetReader(str(files / "*.parquet"), columns=["i"]),
+                                    batch_size=4, num_workers=workers, quiet=True)
+
+    with make(2) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with make(1) as loader, pytest.raises(aioloader.ResumeError,
+                                          match="max_instances_in_memory"):
+        loader.load_state_dict(state)
+
+
 @pytest.mark.deadline(300)
 def test_resume_on_other_numbers_of_ranks_and_workers(files: Path, tmp_path: Path) -> None:
     formats_dist.check_reshaped("parquet", files, tmp_path, N)

@@ -21,7 +21,7 @@ from .._errors import ResumeError
 from .._loads import report_skipped
 from .._sources import Reader
 from ._jsonl import reader_shard
-from ._leftover import Count, Cut, Frontier, cuts, lane_of
+from ._leftover import Count, Cut, Frontier, Lane, cuts, lane_of
 
 OnError = Literal["raise", "skip"]
 STATE_VERSION = 2  # 1: without the item in the piece nor a frontier
@@ -242,21 +242,23 @@ class PieceReader(Reader):
         loader's block in progress (None: the pass's start) and the items of that block
         delivered (counted from its start); None for a shard whose pass was over. The
         loader calls it; it reads nothing (the pieces' items are counted by the pass)."""
-        found = [lane[0] for lane in lanes if lane is not None and lane[0] is not None]
-        states = [checked_state(self.reader_name, state) for state in found]
+        shards = len(lanes)
+        states: list[dict[str, Any]] = []
+        places: list[Lane | None] = []
+        for k, lane in enumerate(lanes):
+            state = None
+            if lane is not None and lane[0] is not None:
+                state = checked_state(self.reader_name, lane[0])
+                states.append(state)
+            places.append(None if lane is None else lane_of(state, lane[1], self.reader_name,
+                                                            k, shards))
         passes = {state["pass"] for state in states}
         digests = {(state["num_pieces"], state["digest"]) for state in states}
         if len(passes) > 1 or len(digests) > 1:
             raise ResumeError(f"the {self.reader_name} states of these shards are of other "
                               f"passes or data (passes {sorted(passes)}): pass the states "
                               "every rank took at the same step")
-        checked = iter(states)
-        shards = len(lanes)
-        frontier = Frontier(tuple(
-            None if lane is None else lane_of(
-                next(checked) if lane[0] is not None else None, lane[1], self.reader_name, k,
-                shards)
-            for k, lane in enumerate(lanes)), passes.pop() if passes else None)
+        frontier = Frontier(tuple(places), passes.pop() if passes else None)
         num_pieces, known = digests.pop() if digests else (None, None)
         return {"reader": self.reader_name, "version": STATE_VERSION,
                 "pass": frontier.pass_no, "shard": None, "shards": None,
