@@ -210,6 +210,32 @@ class Ratio(float):
     pass
 
 
+@pytest.mark.parametrize("views", [False, True])
+def test_large_bytes_travel_in_the_slot_and_come_back_as_bytes(arena, views):
+    # A raw WebDataset sample: its JPEG bytes go through the arena, not the header; short
+    # bytes stay in the header, bare.
+    big, small = bytes(range(256)) * 40, b"label 3"
+    batch = {"jpg": [big, big[::-1]], "cls": [small, small], "__key__": ["a", "b"]}
+    tree = encode(batch, arena.writer())
+    packed = msgpack.packb(tree, use_bin_type=True)
+    assert big not in packed and small in packed
+    assert tensors_nbytes(batch) == 2 * align(len(big))
+    got = arena.round_trip(batch, views=views)
+    assert same(got, batch)
+    arena.worker.bytes.fill_(0)  # the consumer's bytes are its own, not the slot's
+    assert got["jpg"][0] == big
+
+
+def test_bytes_that_do_not_fit_say_how_much_the_batch_needs():
+    a = Arena(slot_size=1 << 16)
+    try:
+        with pytest.raises(SlotFull) as full:
+            encode([b"x" * (1 << 15)] * 3, a.writer())
+        assert full.value.needed == 3 * align(1 << 15)
+    finally:
+        a.close()
+
+
 def test_numbers_and_subclasses_keep_their_exact_type(arena):
     batch = {
         "int64_bounds": [-(1 << 63), (1 << 63) - 1],

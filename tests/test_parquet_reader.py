@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +175,56 @@ def test_exact_resume_mid_epoch(files: Path, workers: int, batch_rows: int | Non
     formats_dist.check_resumed(whole, before, after, ordered=workers == 0)
 
 
-def test_resume_on_another_shape_is_refused_with_what_to_do(files: Path) -> None:
-    formats_dist.check_reshape_refused(lambda workers: make_loader(files, workers))
+def test_resume_on_other_numbers_of_workers(files: Path) -> None:
+    formats_dist.check_workers_reshaped(lambda workers: make_loader(files, workers), N,
+                                        lambda b: b["i"].tolist())
+
+
+def test_resume_on_another_shape_with_fewer_row_groups_than_workers(tmp_path: Path) -> None:
+    # 2 row groups, 3 workers: each worker kept every third row of the pass; the new shapes
+    # deal the row groups (2 workers) or read them whole (1), without what was delivered.
+    write_files(tmp_path, files=1, rows=20, group=10)
+    formats_dist.check_workers_reshaped(
+        lambda workers: aioloader.DataLoader(
+            ParquetReader(str(tmp_path / "*.parquet"), columns=["i"]), batch_size=2,
+            shuffle=True, seed=3, num_workers=workers, max_instances_in_memory=4, quiet=True),
+        20, lambda b: b["i"].tolist(), start=3, to=(2, 0))
+
+
+def test_a_pass_resumed_on_another_shape_resumes_again_on_its_own(files: Path) -> None:
+    # Taken with 2 workers, resumed with 3, taken again: that state resumes with 3 workers
+    # (formats_dist.resume checks it), and with another number says what to do.
+    def make(workers: int) -> aioloader.DataLoader:
+        return make_loader(files, workers)
+
+    _, state = formats_dist.stop(lambda: make(2), 3, lambda b: b["i"].tolist())
+    with make(3) as loader:
+        loader.load_state_dict(state)
+        next(iter(loader))
+        again = loader.state_dict()
+    with make(1) as loader, pytest.raises(aioloader.ResumeError,
+                                          match="already been resumed on another shape"):
+        loader.load_state_dict(again)
+
+
+def test_a_cached_read_resumes_on_its_own_shape_only_and_says_so(files: Path) -> None:
+    # Without max_instances_in_memory the workers' instances are cached as they came: the
+    # loader cannot deal them again, and says how to read so that it could.
+    def make(workers: int) -> aioloader.DataLoader:
+        return aioloader.DataLoader(ParquetReader(str(files / "*.parquet"), columns=["i"]),
+                                    batch_size=4, num_workers=workers, quiet=True)
+
+    with make(2) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with make(1) as loader, pytest.raises(aioloader.ResumeError,
+                                          match="max_instances_in_memory"):
+        loader.load_state_dict(state)
+
+
+@pytest.mark.deadline(300)
+def test_resume_on_other_numbers_of_ranks_and_workers(files: Path, tmp_path: Path) -> None:
+    formats_dist.check_reshaped("parquet", files, tmp_path, N)
 
 
 def test_s3_url(files: Path) -> None:
@@ -215,6 +264,16 @@ def test_a_damaged_row_group_is_named_or_skipped(tmp_path: Path) -> None:
         rows = read_all(skipping)
     assert [r["i"] for r in rows] == [i for i in range(N) if not 24 <= i < 32]
     assert skipping.num_skipped == 1
+    for workers in (0, 2):
+        reader = ParquetReader(str(tmp_path / "*.parquet"), columns=["i", "text"],
+                               on_error="skip")
+        with aioloader.DataLoader(reader, batch_size=4, num_workers=workers, timeout=30,
+                                  quiet=True) as loader, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the reader's (in the main process)
+            seen = sorted(i for b in loader for i in b["i"].tolist())
+            assert seen == [i for i in range(N) if not 24 <= i < 32]
+            assert loader.stats().skipped == 1, "the row group skipped counts in stats()"
+            assert [s.key for s in loader.skipped] == [f"{path}: row group 3"]
 
 
 def test_a_truncated_file_is_named(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import ctypes
 import errno
 import functools
@@ -29,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from .._errors import LoadError
+from .._info import get_worker_info
 from ..plans._sources import Kind, aclose
 from ..plans._sources import fetch as fetch_items
 
@@ -200,6 +202,25 @@ def own_load(source: Any, kind: Kind) -> OwnLoad | None:
 
 
 Report = Callable[[SkippedLoad], Awaitable[None] | None]
+
+# Where the source being read reports what it left out itself: set by a worker for its run,
+# and by the in-process producers around each step (``_local``).
+SKIP_REPORT: contextvars.ContextVar[Report | None] = contextvars.ContextVar(
+    "aioloader_skip_report", default=None)
+
+
+async def report_skipped(key: Any, error: BaseException) -> None:
+    """A source that leaves bad data out itself (a format reader's ``on_error="skip"``)
+    says so here, from its ``read()``: the skip is counted in ``loader.stats().skipped``
+    and listed in ``loader.skipped`` (from a worker too), as a load stage's skips are.
+    Outside a loader (a reader read by hand) nothing happens."""
+    report = SKIP_REPORT.get()
+    if report is None:
+        return
+    info = get_worker_info()
+    reported = report(SkippedLoad(key, None if info is None else info.id, 1, repr(error)))
+    if reported is not None:
+        await reported
 
 
 class LoadStage:

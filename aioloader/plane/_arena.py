@@ -80,6 +80,15 @@ class ArenaMap:
             self._storage, offset // dtype.itemsize, shape)  # type: ignore[call-overload]
         return out
 
+    def write(self, offset: int, data: bytes) -> None:
+        assert self._mm is not None
+        self._mm[offset:offset + len(data)] = data
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset``, copied out (the caller owns them)."""
+        assert self._mm is not None
+        return self._mm[offset:offset + n]
+
     def close(self) -> None:
         """Unmap; if a view is still alive somewhere, leave the unmapping to the GC."""
         mm, self._mm = self._mm, None
@@ -101,10 +110,18 @@ class Lease:
         import numpy as np
 
         assert arena._mm is not None
+        self._mm = arena._mm  # bytes are read straight from the mapping (no view kept)
         self._start, _ = arena.slot_range(slot)
         self._base = np.frombuffer(arena._mm, dtype=np.uint8, count=arena.slot_size,
                                    offset=self._start)
         weakref.finalize(self._base, on_free)
+
+    def __call__(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return self.view(offset, dtype, shape)
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset``, copied out (they hold no view of the slot)."""
+        return self._mm[offset:offset + n]
 
     def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         numel = 1
@@ -151,6 +168,16 @@ class SlotWriter:
         if self.start <= ptr < self.end and t.is_contiguous():
             return ptr
         return None
+
+    def place_bytes(self, data: bytes) -> int:
+        """Copy ``data`` into the slot (one memcpy); its offset. Raises SlotFull."""
+        nbytes = align(len(data))
+        if self.pos + nbytes > self.end:
+            raise SlotFull(nbytes)
+        off = self.pos
+        self.pos += nbytes
+        self.arena.write(off, data)
+        return off
 
     def place(self, t: torch.Tensor) -> int:
         """Copy ``t`` into the slot; its offset. Raises SlotFull."""

@@ -3,15 +3,16 @@
 ``encode`` walks what the collate returned, and is total: for any picklable batch, the tree
 it returns packs with msgpack. Tensors go into the slot (or are found already there, when
 the collate wrote straight into it) and become ``["T", offset, dtype, shape,
-requires_grad]``. Containers keep their exact type: ``"d"`` dict, ``"l"`` list, ``"t"``
-tuple, ``"n"`` namedtuple, ``"m"`` other mapping rebuilt from its items, ``"o"`` a
-``UserDict`` (such as transformers' ``BatchEncoding``) or a dataclass, rebuilt from its
-class and its pickle state, whose tensors travel through the slot like any other. Plain
-msgpack scalars stay bare; a str that is not valid UTF-8 (surrogate escapes, as
-``os.fsdecode`` makes of undecodable file names) is ``"s"``; anything else is pickled on
-its own (``"P"``), never the tree around it. ``decode`` rebuilds it in the parent, each
-tensor either copied out or leased (a view of the slot that gives the slot back once
-garbage-collected).
+requires_grad]``; so do bytes of :data:`BYTES_IN_SLOT` or more (raw JPEGs, a tar member),
+as ``["B", offset, length]``, read back as bytes. Containers keep their exact type:
+``"d"`` dict, ``"l"`` list, ``"t"`` tuple, ``"n"`` namedtuple, ``"m"`` other mapping
+rebuilt from its items, ``"o"`` a ``UserDict`` (such as transformers' ``BatchEncoding``)
+or a dataclass, rebuilt from its class and its pickle state, whose tensors travel through
+the slot like any other. Plain msgpack scalars stay bare; a str that is not valid UTF-8
+(surrogate escapes, as ``os.fsdecode`` makes of undecodable file names) is ``"s"``;
+anything else is pickled on its own (``"P"``), never the tree around it. ``decode``
+rebuilds it in the parent, each tensor either copied out or leased (a view of the slot
+that gives the slot back once garbage-collected).
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ def _is_plain_tensor(t: torch.Tensor) -> bool:
             and not t.is_quantized and not t.is_nested)
 
 
-_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+_LEAVES = frozenset({str, int, float, bool, type(None)})  # bytes may go in the slot
+# bytes this long go through the slot (one copy in, one out) rather than in the header,
+# which is packed, sent down the socket, read and unpacked: 4 copies, two on the parent's
+# loop. Shorter ones cost less inline than their place in the slot's bookkeeping.
+BYTES_IN_SLOT = 4096
 
 
 def tensors_nbytes(obj: Any, depth: int = 0) -> int:
@@ -57,6 +62,8 @@ def tensors_nbytes(obj: Any, depth: int = 0) -> int:
     cls = type(obj)
     if cls in _LEAVES:  # the common leaves first: this runs once a batch
         return 0
+    if cls is bytes:
+        return align(len(obj)) if len(obj) >= BYTES_IN_SLOT else 0
     if isinstance(obj, torch.Tensor):
         return align(obj.nbytes) if _is_plain_tensor(obj) else 0
     if depth >= _MAX_DEPTH:
@@ -111,6 +118,8 @@ def _encode(obj: Any, slot: SlotWriter, depth: int) -> Any:
             return ["s", obj.encode("utf-8", "surrogatepass")]
         return obj
     if cls in _BARE:
+        if cls is bytes and len(obj) >= BYTES_IN_SLOT:
+            return ["B", slot.place_bytes(obj), len(obj)]
         return obj
     if cls is int:
         return obj if _INT64[0] <= obj <= _INT64[1] else ["P", _pickled(obj)]
@@ -257,13 +266,36 @@ def _rebuild(cls: Any, state: Any) -> Any:
 TensorAt = Callable[[int, torch.dtype, list[int]], torch.Tensor]
 
 
+class _Copied:
+    """Tensors copied out of an arena (and bytes read straight out of it, one copy)."""
+
+    def __init__(self, arena: ArenaMap | None) -> None:
+        self.arena = arena
+
+    def __call__(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        assert self.arena is not None, "a batch with tensors arrived before its arena"
+        return self.arena.view(offset, dtype, shape).clone()
+
+    def read(self, offset: int, n: int) -> bytes:
+        assert self.arena is not None, "a batch with bytes in its slot arrived before its arena"
+        return self.arena.read(offset, n)
+
+
 def copied_from(arena: ArenaMap | None) -> TensorAt:
     """Tensors copied out of ``arena``: the consumer owns them, the slot is free at once."""
-    def tensor_at(offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        assert arena is not None, "a batch with tensors arrived before its arena"
-        return arena.view(offset, dtype, shape).clone()
+    return _Copied(arena)
 
-    return tensor_at
+
+def _bytes_at(tensor_at: TensorAt, offset: int, n: int) -> bytes:
+    """The ``n`` bytes a ``"B"`` leaf placed at ``offset``: read straight out of the arena
+    in one copy where ``tensor_at`` can (a copy's, a lease's: no tensor made, no view of the
+    slot kept), else copied out of a view."""
+    read = getattr(tensor_at, "read", None)
+    if read is not None:
+        data: bytes = read(offset, n)
+        return data
+    data = tensor_at(offset, torch.uint8, [n]).numpy().tobytes()
+    return data
 
 
 def decode(tree: Any, tensor_at: TensorAt) -> Any:
@@ -286,6 +318,8 @@ def decode(tree: Any, tensor_at: TensorAt) -> Any:
         return [decode(v, tensor_at) for v in tree[1]]
     if tag == "t":
         return tuple(decode(v, tensor_at) for v in tree[1])
+    if tag == "B":
+        return _bytes_at(tensor_at, tree[1], tree[2])
     if tag == "s":
         return tree[1].decode("utf-8", "surrogatepass")
     if tag == "P":

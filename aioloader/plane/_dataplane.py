@@ -178,7 +178,10 @@ class SlotLedger:
                 and self.leased < self.slots - 1):
             self.leased += 1
             views = Lease(arena, slot, functools.partial(self._returned.append, slot))
-            return decode(tree, views.view)
+            batch = decode(tree, views)
+            del views
+            self.reclaim()  # a batch that kept no view of the slot (bytes) gives it back now
+            return batch
         try:
             if nbytes >= COPY_IN_THREAD_BYTES:
                 return await asyncio.to_thread(decode, tree, copied_from(arena))

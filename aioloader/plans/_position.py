@@ -374,6 +374,15 @@ def _low(level: Level, k: int, p: ShardPosition) -> int:
     return _first(level, k, p) + p.keys[0] * level.count
 
 
+def delivered_in_block(options: Batching, position: ShardPosition, seed: int) -> list[int]:
+    """The instances the first ``position.batches`` batches of its block held, counted from
+    the block's start in the shard's own stream (``seed``: the shard's pass seed). For a
+    source that splits itself: it says where that stream stood (``reshape_state``)."""
+    level = Level(1, (position,), (seed,))
+    return sorted(raw - position.start.raw for raw in _replayed(options, level, 0, position,
+                                                                 None))
+
+
 def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
               earlier: Callable[[int], bool] | None) -> list[int]:
     """The raw positions in the first ``p.batches`` batches of shard ``k``'s block."""

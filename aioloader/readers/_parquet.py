@@ -12,6 +12,7 @@ from typing import Any
 
 from ._files import expand_paths
 from ._fsspec import url_list
+from ._leftover import Cut
 from ._pieces import OnError, PieceReader
 from ._ranges import AHEAD, is_remote
 
@@ -112,8 +113,9 @@ class ParquetReader(PieceReader):
 
     ``state_dict()`` is (pass, row group, row): :meth:`load_state_dict` makes the next pass
     read from that row group on and drop the rows before the position, so a resume reads at
-    most one row group again. It is taken per reader (rank x worker): resume on the same
-    num_workers and world size. ``ahead`` row groups are read ahead in threads.
+    most one row group again. It is taken per reader (rank x worker); every rank's states
+    resume on other numbers of workers and ranks too (:meth:`reshape_state`, which the
+    loader calls). ``ahead`` row groups are read ahead in threads.
 
     Args:
         paths: the files; None: the loader's ``data_path``.
@@ -124,8 +126,9 @@ class ParquetReader(PieceReader):
             (shuffle rows with the loader's ``shuffle=True`` and ``max_instances_in_memory``).
         seed: of that order.
         on_error: "raise" (a :class:`ParquetError` naming the file and row group) or
-            "skip": a row group that does not read is left out, warned about once and
-            counted in ``num_skipped`` (in the process that read it).
+            "skip": a row group that does not read is left out, warned about once,
+            counted in the loader's ``stats().skipped`` and ``skipped``, and in
+            ``num_skipped`` (in the process that read it).
         ahead: row groups read ahead per worker, in threads.
 
     Examples:
@@ -171,7 +174,13 @@ class ParquetReader(PieceReader):
         await asyncio.to_thread(files.list_and_open)
         pieces = files.pieces
         names = [f"{files.urls[p.file]}#{p.row_group}" for p in pieces]
-        at = self._begin(names, loaded, pass_no, shuffle=self.shuffle_row_groups)
+
+        async def count(piece: int, offset: int, item: int, limit: int | None) -> int:
+            rows = pieces[piece].rows - item  # (a footer says: nothing is read)
+            return rows if limit is None else min(rows, limit)
+
+        at = await self._begin(names, loaded, pass_no, shuffle=self.shuffle_row_groups,
+                               count=count)
         dealt = at.deal
         step, first = dealt.step, dealt.first
         columns, batch_rows = self.columns, self.batch_rows
@@ -192,25 +201,23 @@ class ParquetReader(PieceReader):
                 try:
                     table = await window.popleft()
                 except ParquetError as exc:
-                    self._skip(skips, files.urls[piece.file], f"row group {piece.row_group}",
+                    await self._skip(skips, files.urls[piece.file], f"row group {piece.row_group}",
                                exc)
-                    at.counted += piece.rows
-                    at.piece, at.offset = at.piece + 1, 0
+                    at.counted += _left(piece.rows, at.offset, at.cut(dealt.mine[at.piece]))
+                    at.next_piece()
                     continue
                 # The rows of this piece this reader keeps, from the position on.
-                start = at.offset
-                if step > 1:
-                    lead = (first - at.counted) % step  # rows before the first kept one
-                    rows = list(range(start + lead, piece.rows, step))
-                    taken = table.take(pa.array(rows, pa.int64())) if rows else table.slice(0, 0)
-                    counts = [r + 1 for r in rows]  # the piece's offset after each kept row
+                rows, counts = _kept(piece.rows, at.offset, at.counted, step, first,
+                                     at.cut(dealt.mine[at.piece]))
+                if len(rows) == piece.rows - at.offset:  # all of them: a slice, not a copy
+                    taken = table.slice(at.offset)
                 else:
-                    taken = table.slice(start)
-                    counts = list(range(start + 1, piece.rows + 1))
-                base = at.counted - start
+                    taken = table.take(pa.array(rows, pa.int64())) if rows else table.slice(0, 0)
+                ends = at.counted + _left(piece.rows, at.offset, at.cut(dealt.mine[at.piece]))
                 if batch_rows is None:
-                    for row, after in zip(taken.to_pylist(), counts, strict=True):
-                        at.offset, at.counted = after, base + after
+                    for row, r, c in zip(taken.to_pylist(), rows, counts, strict=True):
+                        at.offset = at.item = r + 1
+                        at.counted = c
                         yield row
                 else:
                     done = 0
@@ -224,14 +231,14 @@ class ParquetReader(PieceReader):
                             batch = to_tensors(pa.concat_tables(held) if len(held) > 1
                                                else held[0])
                             held, held_rows = [], 0
-                            after = counts[done - 1]
-                            at.offset, at.counted = after, base + after
+                            at.offset = at.item = rows[done - 1] + 1
+                            at.counted = counts[done - 1]
                             yield batch
                 # On to the next piece. Rows still held (a batch that continues there) are
                 # read again by a resume: a position is only ever seen at a yield, which is
                 # after a whole batch.
-                at.counted = base + piece.rows
-                at.piece, at.offset = at.piece + 1, 0
+                at.counted = ends
+                at.next_piece()
             if held:
                 yield to_tensors(pa.concat_tables(held))
         finally:
@@ -239,6 +246,28 @@ class ParquetReader(PieceReader):
                 task.cancel()
             if window:
                 await asyncio.gather(*window, return_exceptions=True)
+
+
+def _left(rows: int, start: int, cut: Cut | None) -> int:
+    """Rows of a row group from ``start`` on that were not delivered before a resume on
+    another shape (the items a pass counts)."""
+    if cut is None:
+        return rows - start
+    return sum(1 for r in range(start, rows) if not cut.has(r))
+
+
+def _kept(rows: int, start: int, counted: int, step: int, first: int,
+          cut: Cut | None) -> tuple[list[int], list[int]]:
+    """(the rows of a row group this reader keeps from ``start`` on, the pass's count after
+    each): those not delivered before a resume on another shape (``cut``), and of them,
+    in a split deal, every ``step``-th of the pass from ``first``."""
+    left = range(start, rows) if cut is None else [r for r in range(start, rows)
+                                                   if not cut.has(r)]
+    if step == 1:
+        return list(left), list(range(counted + 1, counted + len(left) + 1))
+    lead = (first - counted) % step  # rows before the first kept one
+    picks = range(lead, len(left), step)
+    return [left[k] for k in picks], [counted + k + 1 for k in picks]
 
 
 class _Files:

@@ -21,7 +21,7 @@ from typing import Any
 from .._info import get_worker_info
 from ..pipeline._loads import Retry
 from ._fsspec import url_list
-from ._pieces import OnError, PieceReader, Position
+from ._pieces import OnError, PieceReader
 from ._ranges import AHEAD, CHUNK, Ahead, Files, is_remote
 
 BLOCK = 512
@@ -134,7 +134,8 @@ class WebDatasetReader(PieceReader):
 
     ``state_dict()`` is (pass, shard, byte offset of the next sample's first member):
     :meth:`load_state_dict` makes the next pass seek there, so a resume reads nothing twice.
-    It is taken per reader (rank x worker): resume on the same num_workers and world size.
+    It is taken per reader (rank x worker); every rank's states resume on other numbers
+    of workers and ranks too (:meth:`reshape_state`, which the loader calls).
 
     Shards stream through ranged reads, ``ahead`` chunks of ``chunk_size`` bytes in flight
     (bounded memory), each retried on transient errors (``retries``); the next shard is
@@ -150,8 +151,8 @@ class WebDatasetReader(PieceReader):
         seed: of that order.
         on_error: "raise" (a :class:`WebDatasetError` naming the shard and member) or
             "skip": a corrupt or truncated shard's rest, or a sample that does not decode,
-            is left out, warned about once and counted in ``num_skipped`` (in the process
-            that read it).
+            is left out, warned about once, counted in the loader's ``stats().skipped``
+            and ``skipped``, and in ``num_skipped`` (in the process that read it).
         chunk_size: bytes per ranged read of a shard.
         ahead: ranged reads in flight per worker (memory: ``ahead x chunk_size``).
         retries: more attempts per read on transient errors (``aioloader.Retry``'s rules).
@@ -191,14 +192,11 @@ class WebDatasetReader(PieceReader):
     def read(self, data_path: Any = None) -> AsyncIterator[Any]:
         """This process's samples of the shards (``urls``, else ``data_path``)."""
         urls = self.urls if self.urls is not None else shard_list(data_path)
-        loaded, pass_no = self._next_pass()
-        return self._read(urls, self._begin(urls, loaded, pass_no, shuffle=self.shuffle_shards))
+        return self._read(urls, *self._next_pass())
 
-    async def _read(self, urls: list[str], at: Position) -> AsyncIterator[Any]:
+    async def _read(self, urls: list[str], loaded: dict[str, Any] | None,
+                    pass_no: int) -> AsyncIterator[Any]:
         skips = self._skips()
-        dealt = at.deal
-        step, first = dealt.step, dealt.first
-        mine = dealt.mine
         upcoming: asyncio.Task[Ahead] | None = None  # the next shard, opening meanwhile
         async with Files(self.storage_options) as files:
 
@@ -206,16 +204,26 @@ class WebDatasetReader(PieceReader):
                 return files.ahead(url, start, chunk=self.chunk_size, ahead=self.ahead,
                                    retry=self.retry)
 
+            async def count(piece: int, offset: int, item: int, limit: int | None) -> int:
+                return await self._count(opening(urls[piece], offset), urls[piece], limit)
+
+            at = await self._begin(urls, loaded, pass_no, shuffle=self.shuffle_shards,
+                                   count=count)
+            dealt = at.deal
+            step, first = dealt.step, dealt.first
+            mine = dealt.mine
             try:
                 while at.piece < len(mine):
                     url = urls[mine[at.piece]]
-                    if upcoming is not None:  # opened at 0, where a next shard starts
+                    cut = at.cut(mine[at.piece])
+                    if upcoming is not None:  # opened where a next shard starts
                         task, upcoming = upcoming, None
                         source = await task
                     else:
                         source = await opening(url, at.offset)
                     if at.piece + 1 < len(mine):
-                        upcoming = asyncio.ensure_future(opening(urls[mine[at.piece + 1]], 0))
+                        upcoming = asyncio.ensure_future(opening(
+                            urls[mine[at.piece + 1]], at.start_of(at.piece + 1)[0]))
                     samples = _samples(source, url)
                     try:
                         while True:
@@ -224,30 +232,55 @@ class WebDatasetReader(PieceReader):
                             except StopAsyncIteration:
                                 break
                             except WebDatasetError as exc:
-                                self._skip(skips, url, exc.member, exc)
+                                await self._skip(skips, url, exc.member, exc)
                                 break  # a tar cannot be resynchronised: its rest goes
                             sample, after = got
-                            n = at.counted
+                            n, item = at.counted, at.item
+                            at.offset, at.item = after, item + 1
+                            if cut is not None and cut.has(item):
+                                continue  # delivered before a resume on another shape
+                            at.counted = n + 1
                             if step > 1 and (n - first) % step:
-                                at.offset, at.counted = after, n + 1
                                 continue
                             try:
                                 instance = await self._decoded(sample, url)
                             except WebDatasetError as exc:
-                                self._skip(skips, url, exc.member, exc)
-                                at.offset, at.counted = after, n + 1
+                                await self._skip(skips, url, exc.member, exc)
                                 continue
-                            at.offset, at.counted = after, n + 1
                             yield instance
                     finally:  # closed here, not by the loop's finalizer (see ByteSource)
                         try:
                             await samples.aclose()
                         finally:
                             await source.aclose()
-                    at.piece, at.offset = at.piece + 1, 0
+                    at.next_piece()
             finally:
                 if upcoming is not None:
                     await _discard(upcoming)
+
+    async def _count(self, opening: Awaitable[Ahead], url: str, limit: int | None) -> int:
+        """Samples of a shard from an offset on (at most ``limit``), read again to count
+        them: as a pass reads them (a damaged rest counts as that pass did, skipped)."""
+        source = await opening
+        samples = _samples(source, url)
+        n = 0
+        try:
+            while limit is None or n < limit:
+                try:
+                    await samples.__anext__()
+                except StopAsyncIteration:
+                    break
+                except WebDatasetError:
+                    if self.on_error == "raise":
+                        raise
+                    break
+                n += 1
+        finally:
+            try:
+                await samples.aclose()
+            finally:
+                await source.aclose()
+        return n
 
     async def _decoded(self, sample: dict[str, Any], url: str) -> Any:
         decode = self.decode

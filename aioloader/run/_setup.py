@@ -14,7 +14,16 @@ from .._errors import ResumeError
 from ..pipeline._loads import LoadOptions, SkipLog
 from ..plans._distributed import all_reduce
 from ..plans._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
-from ..plans._position import PASS_START, Frontier, Level, ShardPosition, StreamPosition
+from ..plans._position import (
+    PASS_START,
+    BlockStart,
+    Frontier,
+    Level,
+    ShardPosition,
+    StreamPosition,
+    delivered_in_block,
+    is_stateful,
+)
 from ..plans._reshape import local_plan, split_plan
 from ..plans._sources import Kind, splits_itself
 from ..plans._state import ResumePoint
@@ -107,13 +116,17 @@ class Setup:
         """Why a state taken on another shape (world size; a stream's workers) cannot resume
         here; None: the rest of its epoch can be dealt again (``_reshape``)."""
         c = self.config
+        if self._reshapes_itself():
+            return None
         if c.kind is not Kind.MAP and any(splits_itself(c.source, c.kind)):
             # Lazy or cached alike: a cache puts its workers' instances back together one
             # by one, the source's own order only if it splits itself one by one.
             return ("the source splits itself between the workers or ranks, so the loader "
                     "cannot tell which shard read which instance: resume on the num_workers "
                     "and world size the state was taken with (or let the loader shard a "
-                    "reader)")
+                    "reader; a reader with a reshape_state(), as the format readers have, "
+                    "resumes on another shape when read lazily, max_instances_in_memory=N, "
+                    "without a BatchSampler)")
         if c.lazy:
             if c.batching.options.sampler is not None:
                 return ("a BatchSampler's blocks depend on their instances, so the batches a "
@@ -129,10 +142,22 @@ class Setup:
                     "instances, which other ranks never see: resume on the same world size")
         return None
 
+    def _reshapes_itself(self) -> bool:
+        """A stream of a reader that splits itself and says how a pass continues on another
+        shape (``reshape_state``, as the format readers do), without a BatchSampler (whose
+        blocks depend on their instances: what they delivered cannot be replayed)."""
+        c = self.config
+        return (c.lazy and c.kind is Kind.READER and callable(
+            getattr(c.source, "reshape_state", None)) and is_stateful(c.source)
+            and any(splits_itself(c.source, c.kind)) and c.batching.options.sampler is None)
+
     def reframe(self, states: list[ResumePoint]) -> StreamPosition:
         """This loader's stream position from every rank's (``states``, by rank) on another
         shape: its shards begin at the earliest block start of the old ones, and skip what
-        the old ones delivered (a :class:`Frontier`)."""
+        the old ones delivered (a :class:`Frontier`); a reader that splits itself is told
+        where the old shards stood, and deals the rest itself."""
+        if self._reshapes_itself():
+            return self._reframe_reader(states)
         first = states[0]
         per_rank, pass_no = first.shards or 1, first.pass_no
         positions: list[ShardPosition | None] = []
@@ -154,6 +179,30 @@ class Setup:
         return StreamPosition(
             tuple(ShardPosition(pass_no, start, frontier=frontier)
                   for _ in range(self.config.shards)),
+            0, tuple(range(self.config.shards)),
+            max((p.stream.produced for p in states if p.stream is not None), default=0))
+
+    def _reframe_reader(self, states: list[ResumePoint]) -> StreamPosition:
+        """Every new shard starts the pass at the reader's ``reshape_state``: the old
+        shards' reader states at their blocks' starts and what of those blocks they
+        delivered (replayed as the loader replays a block). The reader deals the rest."""
+        first = states[0]
+        per_rank, pass_no = first.shards or 1, first.pass_no
+        options = self.config.batching.options
+        lanes: list[tuple[Any, list[int]] | None] = []
+        for point in states:
+            stream = point.stream or StreamPosition.begin(pass_no, per_rank)
+            spec = replace(self.plan_spec, rank=point.rank, world_size=point.world_size)
+            for w, position in enumerate(stream.shards):
+                if w not in stream.pending:
+                    lanes.append(None)  # its pass was over
+                    continue
+                done = delivered_in_block(options, position, worker_seed(spec, pass_no, w)) \
+                    if position.batches else []
+                lanes.append((position.start.state, done))
+        start = BlockStart(0, 0, self.config.source.reshape_state(lanes))
+        return StreamPosition(
+            tuple(ShardPosition(pass_no, start) for _ in range(self.config.shards)),
             0, tuple(range(self.config.shards)),
             max((p.stream.produced for p in states if p.stream is not None), default=0))
 

@@ -11,17 +11,25 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from .._errors import BatchFailure
 from .._stats import NO_ARENA, ArenaStats, WorkerStats
 from ..pipeline._collate import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
-from ..pipeline._loads import LoadOptions, LoadStage, SkipLog, SkippedLoad, ops_on_this_thread
+from ..pipeline._loads import (
+    SKIP_REPORT,
+    LoadOptions,
+    LoadStage,
+    SkipLog,
+    SkippedLoad,
+    ops_on_this_thread,
+)
 from ..pipeline._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
 from ..pipeline._recycle import MEMORY, MIN_BYTES
 from ..plane._codec import tensors_nbytes
@@ -70,6 +78,17 @@ class _InProcess:
     async def start(self) -> None:
         pass
 
+    async def next(self) -> Delivered | PassDone:
+        """The next batch (or chunk) or pass end; what the source skips itself is reported
+        to the loader's skip log meanwhile (``_loads.report_skipped``)."""
+        token = SKIP_REPORT.set(self._skips.add)
+        try:
+            return await self._next()
+        finally:
+            SKIP_REPORT.reset(token)
+
+    _next: Callable[[], Awaitable[Delivered | PassDone]]  # the producer's own step
+
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """``fn(*args)`` queued to the fetch thread (started on first use)."""
         if self._thread is None:
@@ -78,7 +97,7 @@ class _InProcess:
             self._thread = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="aioloader-local", initializer=_fetch_thread,
                 initargs=(self._copier,))
-        return self._thread.submit(fn, *args)
+        return self._thread.submit(contextvars.copy_context().run, fn, *args)
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args))
@@ -232,7 +251,7 @@ class LocalIndex(_InProcess):
         except Exception as exc:  # noqa: BLE001 - that batch's error: the epoch goes on
             raise BatchFailure(-1, exc) from None
 
-    async def next(self) -> Delivered | PassDone:
+    async def _next(self) -> Delivered | PassDone:
         if self.pipe.loads is not None:
             return await self._next_loaded()
         if self._queue or not self.inline:
@@ -336,7 +355,7 @@ class LocalStream(_InProcess):
     def position(self) -> StreamPosition:
         return StreamPosition((self._shard.position,), 0, (0,), self._produced)
 
-    async def next(self) -> Delivered | PassDone:
+    async def _next(self) -> Delivered | PassDone:
         if self._work is None:
             pass_no = self._shard.position.pass_no
             start, self._start = self._start or ShardPosition(pass_no), None
@@ -384,7 +403,7 @@ class LocalInstances(_InProcess):
                                   world_size=world_size), timed=timed, skips=skips)
         self._done = False
 
-    async def next(self) -> Delivered | PassDone:
+    async def _next(self) -> Delivered | PassDone:
         if self._done:
             return PassDone(False)
         if self._work is None:

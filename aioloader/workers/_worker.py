@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -39,7 +39,7 @@ import torch
 from .._config import Workers
 from .._info import WorkerInfo, set_worker_info
 from ..pipeline._collate import route_torch_collate_into_arena, use_allocator
-from ..pipeline._loads import ALL_SKIPPED, LoadOptions, LoadStage
+from ..pipeline._loads import ALL_SKIPPED, SKIP_REPORT, LoadOptions, LoadStage, SkippedLoad
 from ..pipeline._pipeline import BatchOptions, Boundary, InOrder, Pipeline, each
 from ..pipeline._recycle import MEMORY
 from ..plane import _wire as wire
@@ -451,10 +451,13 @@ async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = Non
                 serving = asyncio.current_task()
                 assert serving is not None
                 chan.on_eof = serving.cancel
-            made = pipe.stage(spec.worker_id, report=lambda s: chan.send(
-                wire.Skipped(_plain(s.key), s.attempts, s.error)))
+            def report(s: SkippedLoad) -> Awaitable[None]:
+                return chan.send(wire.Skipped(_plain(s.key), s.attempts, s.error))
+
+            made = pipe.stage(spec.worker_id, report=report)
             if made is not None:
                 stage = await stack.enter_async_context(made)
+            SKIP_REPORT.set(report)  # a reader's own skips too (this task's context)
             if spec.plan == "index":
                 await _run_index(spec, pipe, chan, stage)
             else:
