@@ -70,6 +70,19 @@ from ._worker import WorkerSpec
 
 log = logging.getLogger("aioloader")
 
+
+def cpu_queued_ns(pid: int | None) -> int | None:
+    """Nanoseconds process ``pid``'s main thread has spent runnable but waiting for a CPU
+    (Linux's ``/proc/PID/schedstat``); None where that is not known. A starved worker on a
+    loaded machine accrues it; a stopped or blocked one (a hang) does not."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
 _REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
@@ -146,6 +159,9 @@ class Supervisor:
         self.standby = standby  # spawn: the loader's warm processes, for the first start
         self._standbys: list[Standby] = []  # taken from it and not used yet
         self._awaited: int | None = None  # the worker the consumer waits for in receive()
+        # (worker id, its last word, ns it had waited for a CPU) when that wait began: what
+        # it waits for a CPU after that is the machine's load, not its silence (heal)
+        self._queued: tuple[int, float, int | None] | None = None
         self._restarting = False  # a replacement's start is awaited: that is no silence
 
     @property
@@ -442,6 +458,9 @@ class Supervisor:
                 continue
             assert self._loop is not None, "receive() outside an attached epoch"
             w.link.ledger.reclaim()
+            if self.budget.room and not self.spec.workers.threaded and (
+                    self._queued is None or self._queued[:2] != (worker_id, w.heard)):
+                self._queued = (worker_id, w.heard, cpu_queued_ns(w.link.pid))
             self._waiter = self._loop.create_future()
             self._awaited = worker_id
             try:
@@ -454,8 +473,10 @@ class Supervisor:
         consumer waited: kill the worker it waits for if that one hung (a deadlock in user
         code, a read that never returns, SIGSTOP) and a restart can replace it. SIGKILL
         ends a stopped process too; its exit then takes a crash's path (its work is built
-        again, exactly once, in order). True: healing, keep waiting. Thread workers cannot
-        be killed: a hung one times out."""
+        again, exactly once, in order). A worker that spent part of that silence runnable
+        but not run (``cpu_queued_ns``: a loaded machine) is slow, not hung: only the rest
+        counts. True: healing, keep waiting. Thread workers cannot be killed: a hung one
+        times out."""
         if self._restarting:
             return True
         if self._awaited is None or self.spec.workers.threaded:
@@ -463,6 +484,12 @@ class Supervisor:
         awaited = self.workers[self._awaited]
         if awaited.silenced is not None and awaited.phase in ALIVE:
             return True  # killed already: its exit is on its way (a loaded machine)
+        starved = self._starved(awaited)
+        if self.budget.room and time.monotonic() - awaited.heard - starved < silence:
+            # runnable but not run (a loaded machine): slow, not silent; wait on
+            log.debug("worker %d (pid %s) is silent but waited %.1f s for a CPU: not hung",
+                      awaited.id, awaited.link.pid, starved)
+            return True
         w = self.roster.hung(self._awaited, silence, time.monotonic())
         if w is None or w.link.pid is None:
             return False
@@ -473,6 +500,14 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.link.pid, signal.SIGKILL)
         return True
+
+    def _starved(self, w: Worker) -> float:
+        """Seconds ``w`` spent runnable but not running since the consumer began to wait
+        for it (0.0 when that is not known)."""
+        if self._queued is None or self._queued[:2] != (w.id, w.heard):
+            return 0.0
+        before, now = self._queued[2], cpu_queued_ns(w.link.pid)
+        return 0.0 if before is None or now is None else max(0, now - before) / 1e9
 
     # ------------------------------------------------------------------ send
 
