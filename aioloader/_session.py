@@ -188,13 +188,7 @@ class Session:
 
     def _check_silence(self, timeout: float, since: float) -> None:
         heard = max(since, self.producer.last_activity())
-        now = time.monotonic()
-        if now - heard < timeout:
-            # Others spoke, but the worker waited for may be silent itself that long: heal
-            # it now rather than once every other worker has gone quiet too.
-            if now - since >= timeout and self.producer.heal(timeout):
-                self._arm(timeout, now)
-                return
+        if time.monotonic() - heard < timeout:
             self._arm(timeout, since)
             return
         if self.producer.heal(timeout):  # a hung worker was killed: wait for its successor
