@@ -479,6 +479,8 @@ class Supervisor:
         times out."""
         if self._restarting:
             return True
+        if self._awaited is not None and self.workers[self._awaited].phase is Phase.LOST:
+            return True  # died within the budget: the consumer, woken, restarts it next
         if self._awaited is None or self.spec.workers.threaded:
             return False
         awaited = self.workers[self._awaited]
