@@ -406,8 +406,8 @@ def report_faults(t: Tally) -> bool:
                  "no recovery to time (a standby hit, an error raised, or a retry)")
         aside = f" ({t.aside[kind]} into a standby or successor)" if t.aside[kind] else ""
         if t.renewed[kind]:
-            aside += (f" ({t.renewed[kind]} in an epoch that then failed on an injected "
-                      "MemoryError: replaced with the rest, not restarted, not timed)")
+            aside += (f" ({t.renewed[kind]} in an epoch that then failed (an injected MemoryError, "
+                      "a timeout): replaced with the rest, not restarted, not timed)")
         print(f"   {kind:12s} {n:5d}   {times}{aside}")
     for fault, times in sorted(t.restarting.items()):
         print(f"   fault to the loader's restart of that worker (its warning), {fault}: p50 "
