@@ -20,6 +20,13 @@ is injected, drawn from what is left of the quotas:
 Every epoch is checked against the fixed order of its batches (exactly once, in order);
 recovery is the time from a fault to the next batch built by the replacement (a new pid
 for that worker id); leftovers are the processes and ``/dev/shm`` entries the run made.
+Once the quotas are spent, epochs go on until the last fault is healed (at most a few).
+
+Hangs are checked both ways: every worker the loader reports hung (its log) must be one
+this script stopped; a worker that is merely slow on a loaded machine (runnable, waiting
+for a CPU) must not be killed as hung. ``--timeout`` (default 2 s) is the loader's
+``timeout``: a stopped worker is healed after that much silence, so a hang's recovery is
+about ``timeout`` plus a restart.
 
 ``parent``: a training process with workers (and, for spawn, its standbys) is started, then
 killed with SIGKILL once its first batch arrived; after ``ORPHAN_GRACE`` (plus a margin for
@@ -36,8 +43,10 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -125,6 +134,8 @@ class Fault:
     at: float
     wid: int | None  # the worker it hit (None: a standby, or not known yet)
     pid: int | None
+    restarts: int = 0  # the loader's restarts when it was injected
+    wall: float = field(default_factory=time.time)  # as the log's records are stamped
     recovered: float | None = None
 
 
@@ -140,6 +151,38 @@ class Tally:
     stats: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     leftovers: list[str] = field(default_factory=list)
+    timeout: float = 0.0
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before and after
+    stopped: set[int] = field(default_factory=set)  # pids this script SIGSTOPped
+    hung: list[str] = field(default_factory=list)  # workers the loader killed as hung
+    unrecovered: collections.Counter[str] = field(default_factory=collections.Counter)
+    untaken: int = 0  # fault tickets no worker took by the end
+    aside: collections.Counter[str] = field(default_factory=collections.Counter)  # standbys
+    # replaced with the rest when an epoch failed (an injected MemoryError), not restarted
+    renewed: collections.Counter[str] = field(default_factory=collections.Counter)
+    # fault to the loader's restart of that worker (its warning), by crash and hang
+    restarting: dict[str, list[float]] = field(
+        default_factory=lambda: collections.defaultdict(list))
+
+
+class LoaderLog(logging.Handler):
+    """What the loader's warnings say: the workers it reports hung (and kills): the pid of a
+    process worker, the name of a Ray actor; when it began to restart each pid."""
+
+    HUNG = re.compile(r"^(?:worker \d+ \(pid (\d+)\)|(.+?)) hung: no (?:word|reply) for")
+    RESTART = re.compile(r"^worker \d+ \(pid (\d+)\) .*; restarting it")
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hung: list[str] = []
+        self.restarted: dict[int, float] = {}  # pid: the record's time (time.time())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if (found := self.HUNG.match(message)) and "killing" in message:
+            self.hung.append(found.group(1) or found.group(2))
+        elif found := self.RESTART.match(message):
+            self.restarted[int(found.group(1))] = record.created
 
 
 def _children() -> list[int]:
@@ -167,6 +210,7 @@ class Injector:
         self.left["MemoryError"] = errors
         self.left["transient"] = errors
         self.serial = 0
+        self.stopped: set[int] = set()
 
     def done(self) -> bool:
         return not +self.left
@@ -186,6 +230,8 @@ class Injector:
                 return None
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, SIGNALS[kind])
+                if kind == "SIGSTOP":
+                    self.stopped.add(pid)
         else:
             self.serial += 1
             ticket = {"os._exit(0)": "exit0", "MemoryError": "memoryerror",
@@ -193,7 +239,7 @@ class Injector:
             Path(self.box, f"{ticket}.{self.serial}").touch()
             wid = pid = None  # whoever takes it: read from the ticket when it is taken
         self.left[kind] -= 1
-        return Fault(kind, time.monotonic(), wid, pid)
+        return Fault(kind, time.monotonic(), wid, pid, loader.stats().restarts)
 
 
 def _taken_by(box: str, kind: str) -> tuple[int, int] | None:
@@ -210,18 +256,25 @@ def _taken_by(box: str, kind: str) -> tuple[int, int] | None:
 
 async def run_faults(method: str, crashes: int, hangs: int, errors: int, timeout: float,
                      ray: bool, seed: int, max_seconds: float) -> Tally:
-    tally = Tally(method + (" (ray)" if ray else ""))
+    tally = Tally(method + (" (ray)" if ray else ""), timeout=timeout)
     rng = random.Random(seed)
     shm_before = set(os.listdir("/dev/shm"))
+    hang_log = LoaderLog()
+    logging.getLogger("aioloader").addHandler(hang_log)
+    load_before = os.getloadavg()[0]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="aioloader-chaos-") as box:
         os.mkdir(os.path.join(box, "taken"))
         injector = Injector(box, crashes, hangs, errors, ray, rng)
         loader = make(method, box, timeout, ray)
         pending: Fault | None = None
-        expect_error = False  # a MemoryError ticket waits: some epoch raises it
+        expect_errors = 0  # MemoryError tickets waiting: as many epochs raise them
+        settling = 0  # epochs after the last fault, for it to heal
         try:
-            while not injector.done() and time.monotonic() - started < max_seconds:
+            while (not injector.done() and time.monotonic() - started < max_seconds) or (
+                    (pending is not None or expect_errors) and settling < 3):
+                if injector.done() or time.monotonic() - started >= max_seconds:
+                    settling += 1
                 seen: list[list[int]] = []
                 countdown = rng.randint(1, 6)
                 tally.epochs += 1
@@ -239,19 +292,36 @@ async def run_faults(method: str, crashes: int, hangs: int, errors: int, timeout
                             pending.recovered = now
                         if pending is not None and (pending.recovered is not None or now -
                                                     pending.at > 10 * timeout + 30):
-                            if pending.recovered is not None:
+                            if pending.recovered is not None and (
+                                    loader.stats().restarts == pending.restarts):
+                                tally.renewed[pending.kind] += 1  # no restart: not timed
+                            elif pending.recovered is not None:
                                 tally.recovery[pending.kind].append(pending.recovered -
                                                                     pending.at)
+                                if pending.pid in hang_log.restarted:
+                                    tally.restarting[
+                                        "hang" if pending.kind == "SIGSTOP" else "crash"
+                                    ].append(hang_log.restarted[pending.pid] - pending.wall)
+                            else:
+                                tally.unrecovered[pending.kind] += 1
                             pending = None
                         countdown -= 1
-                        if pending is None and countdown <= 0 and not injector.done():
+                        if (pending is None and countdown <= 0 and not injector.done()
+                                and time.monotonic() - started < max_seconds):
                             pending = injector.inject(loader)
                             countdown = rng.randint(1, 6)
                             if pending is None:
                                 continue
                             tally.faults[pending.kind] += 1
+                            done = sum(tally.faults.values())
+                            if done % 100 == 0:  # a long run shows it moves (stderr)
+                                print(f"... {done} faults, {tally.epochs} epochs, "
+                                      f"{time.monotonic() - started:.0f} s", file=sys.stderr,
+                                      flush=True)
                             if pending.kind == "MemoryError":
-                                expect_error = True
+                                expect_errors += 1
+                            if pending.kind in SIGNALS and pending.wid is None:
+                                tally.aside[pending.kind] += 1
                             if pending.kind in ("transient", "MemoryError") or (
                                     pending.kind in SIGNALS and pending.wid is None):
                                 pending = None  # nothing to recover from (a standby hit)
@@ -262,9 +332,9 @@ async def run_faults(method: str, crashes: int, hangs: int, errors: int, timeout
                                          f"first wrong at {_first_wrong(seen)}")
                 except aioloader.WorkerError as exc:
                     # a load's error comes as LoadError, naming the original
-                    if expect_error and "MemoryError" in str(exc) and _prefix_ok(seen):
+                    if expect_errors and "MemoryError" in str(exc) and _prefix_ok(seen):
                         tally.raised_as_expected += 1
-                        expect_error = False
+                        expect_errors -= 1
                         if pending is not None and pending.kind == "MemoryError":
                             pending = None
                         _taken_by(box, "MemoryError")
@@ -279,10 +349,17 @@ async def run_faults(method: str, crashes: int, hangs: int, errors: int, timeout
                         break
             st = loader.stats()
             tally.stats = {"restarts": st.restarts, "crashes": st.crashes, "hangs": st.hangs}
+            if pending is not None:
+                tally.unrecovered[pending.kind] += 1
+            tally.untaken = len(os.listdir(box)) - 1
         finally:
             await loader.aclose()
+            logging.getLogger("aioloader").removeHandler(hang_log)
     tally.seconds = time.monotonic() - started
     tally.leftovers = _leftovers(shm_before)
+    tally.stopped = injector.stopped
+    tally.hung = hang_log.hung
+    tally.load = (load_before, os.getloadavg()[0])
     return tally
 
 
@@ -316,17 +393,39 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def report_faults(t: Tally) -> bool:
-    ok = not t.bad and not t.leftovers
-    print(f"== faults, start_method={t.method}: {sum(t.faults.values())} injected in "
-          f"{t.seconds:.0f} s over {t.epochs} epochs")
+    false_hangs = [h for h in t.hung if not h.isdigit() or int(h) not in t.stopped]
+    ok = not t.bad and not t.leftovers and not false_hangs and not +t.unrecovered
+    print(f"== faults, start_method={t.method}, timeout={t.timeout:g} s, {WORKERS} workers, "
+          f"{N // BATCH} batches an epoch: {sum(t.faults.values())} injected in "
+          f"{t.seconds:.0f} s over {t.epochs} epochs (load average {t.load[0]:.1f} -> "
+          f"{t.load[1]:.1f} on {os.cpu_count()} CPUs)")
     for kind, n in sorted(t.faults.items()):
         rec = t.recovery.get(kind, [])
         times = (f"recovery p50 {_pct(rec, 50) * 1e3:.0f} ms, p99 {_pct(rec, 99) * 1e3:.0f} ms, "
                  f"max {max(rec) * 1e3:.0f} ms over {len(rec)}" if rec else
                  "no recovery to time (a standby hit, an error raised, or a retry)")
-        print(f"   {kind:12s} {n:5d}   {times}")
+        aside = f" ({t.aside[kind]} into a standby or successor)" if t.aside[kind] else ""
+        if t.renewed[kind]:
+            aside += (f" ({t.renewed[kind]} in an epoch that then failed (an injected MemoryError, "
+                      "a timeout): replaced with the rest, not restarted, not timed)")
+        print(f"   {kind:12s} {n:5d}   {times}{aside}")
+    for fault, times in sorted(t.restarting.items()):
+        print(f"   fault to the loader's restart of that worker (its warning), {fault}: p50 "
+              f"{_pct(times, 50) * 1e3:.0f} ms, p99 {_pct(times, 99) * 1e3:.0f} ms over "
+              f"{len(times)}")
+    absorbed = t.faults["MemoryError"] - t.raised_as_expected - t.untaken
+    if absorbed > 0:
+        print(f"   MemoryErrors not raised: {absorbed} (the worker that had failed that "
+              "batch was killed before the consumer reached it; its replacement built the "
+              "batch again, without the error: the ticket is used once)")
     print(f"   loader.stats(): restarts {t.stats.get('restarts')} (crashes "
           f"{t.stats.get('crashes')}, hangs {t.stats.get('hangs')})")
+    print(f"   killed as hung by the loader: {len(t.hung)}, of which stopped by this script: "
+          f"{len(t.hung) - len(false_hangs)}; slow (not stopped) workers taken for hung: "
+          f"{len(false_hangs)}{' ' + str(false_hangs[:10]) if false_hangs else ''}")
+    unrecovered = ", ".join(f"{k} {n}" for k, n in sorted(t.unrecovered.items()))
+    print(f"   faults with no replacement batch seen: {unrecovered or 'none'}; fault "
+          f"tickets no worker took: {t.untaken}")
     print(f"   epochs exact and in order: {t.exact} of {t.epochs}; raised MemoryError as "
           f"WorkerError with every earlier batch once: {t.raised_as_expected}")
     for line in t.bad[:10]:
@@ -405,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--hangs", type=int, default=200, help="SIGSTOP (not with --ray)")
     f.add_argument("--errors", type=int, default=20,
                    help="each of MemoryError and transient errors from the load function")
-    f.add_argument("--timeout", type=float, default=1.0,
+    f.add_argument("--timeout", type=float, default=2.0,
                    help="the loader's timeout: a silent worker's hang is healed after it")
     f.add_argument("--max-seconds", type=float, default=3600.0,
                    help="stop injecting after this long per start method; says how many")

@@ -25,8 +25,10 @@ import pytest
 import torch
 
 import aioloader
-from aioloader import _config, _epoch, _staging
+from aioloader import _config
+from aioloader.plane import _staging
 from aioloader.plane._staging import SLOTS, Stager
+from aioloader.run import _epoch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FAKE_DEVICE = torch.device("meta")  # what the fake calls its device: tensors there pass through

@@ -26,6 +26,7 @@ from ._phases import (
     ALIVE,
     Deliver,
     EndPass,
+    Phase,
     Raise,
     RestartBudget,
     Roster,
@@ -120,6 +121,11 @@ class Supervising(Generic[L]):
         """Wait for the next event of worker ``worker_id`` (or of the session)."""
         raise NotImplementedError
 
+    def _starved(self, w: WorkerState[L]) -> float:
+        """Seconds ``w`` spent runnable but not run since the consumer began to wait for
+        it; 0.0 where a transport cannot tell."""
+        return 0.0
+
     def _can_kill(self) -> bool:
         """Whether a hung worker can be killed at all (a thread cannot)."""
         return True
@@ -180,14 +186,23 @@ class Supervising(Generic[L]):
         consumer waited: kill the worker it waits for if that one hung (a deadlock in user
         code, a read that never returns, SIGSTOP) and a restart can replace it; its death
         then takes a crash's path (its work is built again, exactly once, in order).
-        True: healing, keep waiting."""
+        A worker that spent part of that silence runnable but not run (``_starved``: a
+        loaded machine) is slow, not hung: only the rest counts. True: healing, keep
+        waiting."""
         if self._restarting:
             return True
+        if self._awaited is not None and self.workers[self._awaited].phase is Phase.LOST:
+            return True  # died within the budget: the consumer, woken, restarts it next
         if self._awaited is None or not self._can_kill():
             return False
         awaited = self.workers[self._awaited]
         if awaited.silenced is not None and awaited.phase in ALIVE:
             return True  # killed already: its death is on its way (a loaded machine)
+        starved = self._starved(awaited)
+        if self.budget.room and time.monotonic() - awaited.heard - starved < silence:
+            log.debug("worker %d is silent but waited %.1f s for a CPU: not hung",
+                      awaited.id, starved)
+            return True
         w = self.roster.hung(self._awaited, silence, time.monotonic())
         return w is not None and self._kill(w, silence)
 

