@@ -8,6 +8,7 @@ import contextlib
 import copy
 import re
 import reprlib
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextvars import ContextVar
@@ -33,7 +34,8 @@ Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """Returns an uninitialised, contiguous CPU tensor of the given shape and dtype."""
 
 _allocator: ContextVar[Allocator | None] = ContextVar("aioloader_allocator", default=None)
-_helper: ContextVar[Executor | None] = ContextVar("aioloader_copy_helper", default=None)
+_helper = threading.local()  # .executor: this thread's copy helper (a thread's, not a context's:
+# the fetch thread runs each call in its caller's context, ``_local._InProcess.submit``)
 SPLIT_BYTES = 4 << 20  # a stack into memory this large is shared with the helper
 CHUNKS = 8  # in this many pieces: what this thread may wait for is one of them
 
@@ -260,7 +262,7 @@ def copy_helper(executor: Executor) -> None:
     permuted images (``decode``: a strided copy, 9.6 MB) took 3.1-3.3 ms on one thread
     against 2.0-2.4 ms on the caller's two.
     """
-    _helper.set(executor)
+    _helper.executor = executor
 
 
 def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
@@ -268,7 +270,7 @@ def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
     helper (:func:`copy_helper`) take in turn, at once (torch lets go of the GIL while it
     copies). The helper runs at the lowest priority: whatever it has not started when this
     thread runs out of chunks, this thread copies, so at worst it waits for one chunk."""
-    helper = _helper.get()
+    helper: Executor | None = getattr(_helper, "executor", None)
     if helper is None or len(tensors) < 2 or out.nbytes < SPLIT_BYTES:
         return torch.stack(tensors, 0, out=out)  # type: ignore[arg-type]
     rows: list[torch.Tensor] = list(tensors)
