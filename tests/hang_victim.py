@@ -129,7 +129,8 @@ def main() -> None:
         from multiprocessing import resource_tracker  # spawn's helper: not a worker
 
         helper = getattr(resource_tracker._resource_tracker, "_pid", None)
-        left = [pid for pid in _workers() if pid != helper]
+        mine = {helper, hog.pid if hog is not None else None}  # not the loader's
+        left = [pid for pid in _workers() if pid not in mine]
         for pid in left:  # a stopped worker that close left behind (the test fails on it)
             os.kill(pid, signal.SIGKILL)
         if hog is not None:

@@ -147,9 +147,6 @@ def test_a_hung_worker_is_killed_and_replaced_and_nothing_is_lost_or_repeated(
 
 
 @pytest.mark.deadline(120)
-@pytest.mark.xfail(strict=False, reason=(
-    "open: the starved worker is not killed (restarts, hangs 0), but a worker process is "
-    "still listed after the close; fails the same way on the branch that added it (h33)"))
 def test_a_starved_worker_is_slow_not_hung(tmp_path: Path) -> None:
     """A worker that is runnable but gets no CPU for longer than ``timeout`` (a loaded
     machine; here SCHED_IDLE on a CPU a busy process holds) shows progress: the time it

@@ -122,8 +122,9 @@ class Supervising(Generic[L]):
         raise NotImplementedError
 
     def _starved(self, w: WorkerState[L]) -> float:
-        """Seconds ``w`` spent runnable but not run since the consumer began to wait for
-        it; 0.0 where a transport cannot tell."""
+        """Seconds of ``w``'s silence that show no hang: runnable but not run since the
+        consumer began to wait for it (and then the unmeasured time before, too); 0.0
+        where a transport cannot tell."""
         return 0.0
 
     def _can_kill(self) -> bool:

@@ -92,7 +92,8 @@ class Supervisor(Supervising[Link]):
         # (worker id, its last word, ns it had waited for a CPU) when the consumer's wait
         # for it began: what it waits for a CPU after that is the machine's load, not its
         # silence (heal)
-        self._queued: tuple[int, float, int | None] | None = None
+        # (worker, its last word, its CPU wait then, when the consumer began to wait for it)
+        self._queued: tuple[int, float, int | None, float] | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -325,7 +326,7 @@ class Supervisor(Supervising[Link]):
         w.link.ledger.reclaim()
         if self.budget.room and self._can_kill() and (
                 self._queued is None or self._queued[:2] != (worker_id, w.heard)):
-            self._queued = (worker_id, w.heard, cpu_queued_ns(w.link.pid))
+            self._queued = (worker_id, w.heard, cpu_queued_ns(w.link.pid), time.monotonic())
         self._waiter = self._loop.create_future()
         try:
             await self._waiter
@@ -335,8 +336,14 @@ class Supervisor(Supervising[Link]):
     def _starved(self, w: Worker) -> float:
         if self._queued is None or self._queued[:2] != (w.id, w.heard):
             return 0.0
-        before, now = self._queued[2], cpu_queued_ns(w.link.pid)
-        return 0.0 if before is None or now is None else max(0, now - before) / 1e9
+        _, heard, before, since = self._queued
+        now = cpu_queued_ns(w.link.pid)
+        if before is None or now is None:
+            return 0.0
+        waited = max(0, now - before) / 1e9
+        # Nothing was measured before the consumer began to wait; a worker seen starved
+        # since was most likely starved then too (a stopped or blocked one waits for no CPU).
+        return waited + max(0.0, since - heard) if waited > 0 else 0.0
 
     def _can_kill(self) -> bool:
         return not self.spec.workers.threaded  # a hung thread times out
