@@ -22,10 +22,9 @@ from ..plans._position import (
     ShardPosition,
     StreamPosition,
     delivered_in_block,
-    is_stateful,
 )
 from ..plans._reshape import local_plan, split_plan
-from ..plans._sources import Kind, splits_itself
+from ..plans._sources import Kind, is_stateful, splits_itself
 from ..plans._state import ResumePoint
 from ..workers._local import LocalIndex, LocalInstances, LocalStream
 from ..workers._phases import RestartBudget
