@@ -1,6 +1,6 @@
 """Where a pass over a streaming source stands: block starts and shard positions, as data.
 
-A shard's pass is cut into blocks (see ``_samplers.Batcher``); a block's batches depend only
+A shard's pass is cut into blocks (see ``_batcher.Batcher``); a block's batches depend only
 on its instances and its number. So a shard's position is the start of a block (how many
 raw instances came before it, and the source's own ``state_dict()`` there) plus how many of
 the block's batches were delivered. Resuming reopens the source at the block start (O(1)
@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .._errors import ResumeError
-from ._samplers import derive_seed, plan_indices
+from ._batcher import plan_indices
+from ._samplers import derive_seed
 
 
 @dataclass(frozen=True, slots=True)
