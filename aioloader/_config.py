@@ -245,15 +245,6 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
 
 
-def iterable_length(source: Any, batching: Batching) -> int:
-    """torch's ``len(loader)`` for an IterableDataset: its ``len()`` in batches (a
-    ``TypeError`` where it has none), as if one process read it all."""
-    n = len(source)
-    if batching.batch_size is None:
-        return n
-    return n // batching.batch_size if batching.drop_last else -(-n // batching.batch_size)
-
-
 def _slots(prefetch: int, batch_size: int | None, kind: Kind, loads: LoadOptions | None) -> int:
     """Batches in flight per worker: with a load stage over index batches, enough of them
     that ``concurrency`` loads can be in flight across them."""

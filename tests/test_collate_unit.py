@@ -19,15 +19,9 @@ import torch
 from torch.utils.data import default_collate as torch_collate
 
 from aioloader._errors import CollateKeyError
-from aioloader.pipeline._collate import (
-    SPLIT_BYTES,
-    PadCollate,
-    copy_helper,
-    default_collate,
-    new_tensor,
-    use_allocator,
-)
+from aioloader.pipeline._collate import PadCollate, default_collate
 from aioloader.pipeline._recycle import Recycler
+from aioloader.pipeline._stacking import SPLIT_BYTES, copy_helper, new_tensor, use_allocator
 
 # ------------------------------------------------------------------------------ helpers
 

@@ -24,7 +24,6 @@ import torch.utils.data._utils.worker as torch_worker
 import aioloader
 from aioloader._config import Workers
 from aioloader._info import TORCH_INFO_PER_THREAD, Patch, WorkerInfo, set_worker_info
-from aioloader.pipeline._collate import TORCH_COLLATE_IN_THREADS
 from aioloader.pipeline._loads import ALL_SKIPPED, LoadOptions, Retry, SkipLog
 from aioloader.pipeline._pipeline import (
     INSTANCE_CHUNK,
@@ -35,6 +34,7 @@ from aioloader.pipeline._pipeline import (
     Pipeline,
     each,
 )
+from aioloader.pipeline._stacking import TORCH_COLLATE_IN_THREADS
 from aioloader.plane import _wire as wire
 from aioloader.plane._dataplane import Shelf
 from aioloader.plans._position import BlockStart, ShardPosition, ShardTracker

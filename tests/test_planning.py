@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler as TorchBatchSampler
 from torch.utils.data import DistributedSampler, SequentialSampler
 
-from aioloader.plans._distributed import shard_indices, shard_order, share_size
+from aioloader.plans._distributed import shard_order, share_size
 from aioloader.plans._planning import (
     PlanSpec,
     Sharding,
@@ -378,6 +378,4 @@ def check_shard(n: int, rank: int, world: int, even: bool, drop_last: bool) -> N
     expected = _old_shard_indices(n, rank, world, even, drop_last)
     got = shard_order(torch.arange(n), rank, world, even=even, drop_last=drop_last)
     assert got.tolist() == expected
-    assert shard_indices(n, rank, world, even=even, drop_last=drop_last,
-                         order=list(range(n))) == expected
     assert share_size(n, rank, world, even=even, drop_last=drop_last) == len(expected)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import aioloader
-from aioloader.pipeline._collate import default_collate, use_allocator
+from aioloader.pipeline._collate import default_collate
 from aioloader.pipeline._recycle import KEEP, MIN_BYTES, Recycler
+from aioloader.pipeline._stacking import use_allocator
 
 LARGE = (3, 224, 224)  # 150 KB of uint8: 64 of them make a 9.6 MB batch
 

@@ -14,16 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aioloader.plans._batcher import Batcher, Group, plan_indices
 from aioloader.plans._samplers import (
-    Batcher,
     BatchSampler,
     BucketBatchSampler,
-    Group,
     current_rng,
     derive_seed,
     index_batches,
     num_batches,
-    plan_indices,
     split_batches,
     torch_generator,
     use_rng,

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .._errors import CollateKeyError
-from ..plans._position import PASS_START, BlockStart, Frontier, Mark, Shard, ShardPosition
-from ..plans._samplers import Batcher, BatchSampler, Group
+from ..plans._batcher import Batcher, Group
+from ..plans._position import PASS_START, BlockStart, Frontier, Mark, ShardPosition
+from ..plans._samplers import BatchSampler
+from ..plans._shard import Shard
 from ..plans._sources import Kind, Unhooked, aclose, as_async, fetch, unhooked
 from ._collate import PadCollate, Unbatched, default_collate
 from ._loads import LoadOptions, LoadStage, Report, SkippedLoad

@@ -33,7 +33,7 @@ PAGE = 64 << 10  # new buffers are rounded up to this: a tensor kept pins at mos
 
 
 class Recycler:
-    """An allocator (``aioloader.pipeline._collate.Allocator``) over reused buffers."""
+    """An allocator (``aioloader.pipeline._stacking.Allocator``) over reused buffers."""
 
     def __init__(self, keep: int = KEEP, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep = keep

@@ -149,17 +149,24 @@ class SlotWriter:
         self.pos = self.start
         self.overflow = 0  # bytes asked for that did not fit
 
+    def _take(self, nbytes: int) -> int | None:
+        """The offset of ``nbytes`` more of the slot (aligned), or None where they do not fit."""
+        nbytes = align(nbytes)
+        if self.pos + nbytes > self.end:
+            return None
+        off = self.pos
+        self.pos += nbytes
+        return off
+
     def alloc(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor in the slot; a plain one when the slot is full."""
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = align(numel * dtype.itemsize)
-        if self.pos + nbytes > self.end:
-            self.overflow += nbytes
+        off = self._take(numel * dtype.itemsize)
+        if off is None:
+            self.overflow += align(numel * dtype.itemsize)
             return torch.empty(shape, dtype=dtype)
-        off = self.pos
-        self.pos += nbytes
         return self.arena.view(off, dtype, list(shape))
 
     def offset_of(self, t: torch.Tensor) -> int | None:
@@ -171,20 +178,16 @@ class SlotWriter:
 
     def place_bytes(self, data: bytes) -> int:
         """Copy ``data`` into the slot (one memcpy); its offset. Raises SlotFull."""
-        nbytes = align(len(data))
-        if self.pos + nbytes > self.end:
-            raise SlotFull(nbytes)
-        off = self.pos
-        self.pos += nbytes
+        off = self._take(len(data))
+        if off is None:
+            raise SlotFull(align(len(data)))
         self.arena.write(off, data)
         return off
 
     def place(self, t: torch.Tensor) -> int:
         """Copy ``t`` into the slot; its offset. Raises SlotFull."""
-        nbytes = align(t.numel() * t.element_size())
-        if self.pos + nbytes > self.end:
-            raise SlotFull(nbytes)
-        off = self.pos
-        self.pos += nbytes
+        off = self._take(t.numel() * t.element_size())
+        if off is None:
+            raise SlotFull(align(t.numel() * t.element_size()))
         self.arena.view(off, t.dtype, list(t.shape)).copy_(t)
         return off

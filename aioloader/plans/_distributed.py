@@ -83,14 +83,6 @@ def shard_order(order: torch.Tensor, rank: int, world: int, *, even: bool,
     return order[rank::world]
 
 
-def shard_indices(n: int, rank: int, world: int, *, even: bool, drop_last: bool,
-                  order: list[int]) -> list[int]:
-    """``shard_order`` for a list ``order`` (a permutation of range(n))."""
-    shard: list[int] = shard_order(torch.tensor(order, dtype=torch.int64), rank, world,
-                                   even=even, drop_last=drop_last).tolist()
-    return shard
-
-
 def even_out(batches: Sequence[list[int]], target: int) -> Sequence[list[int]]:
     """``batches`` repeated from the start until there are ``target`` of them."""
     if not batches or len(batches) >= target:

@@ -88,6 +88,13 @@ def is_async(stream: Iterable[Any] | AsyncIterable[Any]) -> bool:
     return isinstance(stream, AsyncIterable) or inspect.isasyncgen(stream)
 
 
+def is_stateful(source: Any) -> bool:
+    """The source saves and restores its own position (torchdata's Stateful protocol)."""
+    return callable(getattr(source, "state_dict", None)) and callable(
+        getattr(source, "load_state_dict", None))
+
+
+
 def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int,
                world_size: int) -> tuple[int, int]:
     """(index, count): this process keeps instances index, index + count, ...

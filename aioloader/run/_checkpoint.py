@@ -12,8 +12,8 @@ from typing import Any
 
 from .._config import LoaderConfig
 from .._errors import ResumeError, ResumeWarning
-from ..plans._position import is_stateful
 from ..plans._reshape import cache_size
+from ..plans._sources import is_stateful
 from ..plans._state import Cursor, ResumePoint, choose, make_state, read_state
 from ._setup import Setup
 

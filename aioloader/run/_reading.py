@@ -11,7 +11,8 @@ import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .._config import LoaderConfig, iterable_length
+from .._config import LoaderConfig
+from ..plans._samplers import num_batches
 from ..plans._sources import Kind
 from ..workers._producers import CachedInstances
 from ..workers._steps import PassDone
@@ -47,8 +48,10 @@ class Reading:
         if c.kind is Kind.ITERABLE and c.lazy and c.given.max_instances_in_memory is None:
             # torch keeps the dataset's own len() and warns when more batches than that
             # have come: its comparison, kept as it is.
-            self.told = len(c.source)
-            return iterable_length(c.source, c.batching)
+            # In batches (a TypeError where it has none), as if one process read it all.
+            self.told = n = len(c.source)
+            b = c.batching
+            return n if b.batch_size is None else num_batches(n, b.batch_size, b.drop_last)
         if c.lazy:
             raise TypeError(
                 "a lazy loader (max_instances_in_memory set) does not know its length: pass "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,10 +22,9 @@ from ..plans._position import (
     ShardPosition,
     StreamPosition,
     delivered_in_block,
-    is_stateful,
 )
 from ..plans._reshape import local_plan, split_plan
-from ..plans._sources import Kind, splits_itself
+from ..plans._sources import Kind, is_stateful, splits_itself
 from ..plans._state import ResumePoint
 from ..workers._local import LocalIndex, LocalInstances, LocalStream
 from ..workers._phases import RestartBudget
@@ -158,52 +157,47 @@ class Setup:
         where the old shards stood, and deals the rest itself."""
         if self._reshapes_itself():
             return self._reframe_reader(states)
-        first = states[0]
-        per_rank, pass_no = first.shards or 1, first.pass_no
-        positions: list[ShardPosition | None] = []
-        seeds: list[int] = []
-        earlier: Frontier | None = None
-        for point in states:
-            stream = point.stream or StreamPosition.begin(pass_no, per_rank)
-            spec = replace(self.plan_spec, rank=point.rank, world_size=point.world_size)
-            for w, position in enumerate(stream.shards):
-                earlier = earlier or position.frontier
-                pending = w in stream.pending
-                positions.append(replace(position, frontier=None) if pending else None)
-                seeds.append(worker_seed(spec, pass_no, w))
-        level = Level(first.world_size * per_rank, tuple(positions), tuple(seeds))
+        old = list(self._old_shards(states))
+        earlier = next((p.frontier for p, _, _ in old if p.frontier is not None), None)
+        level = Level(states[0].world_size * (states[0].shards or 1),
+                      tuple(replace(p, frontier=None) if pending else None
+                            for p, pending, _ in old),
+                      tuple(seed for _, _, seed in old))
         options = self.config.batching.options
         frontier = (earlier or Frontier(())).extended(level, options)
         frontier.delivered(options)  # what cannot be replayed: here
         start = frontier.restart() or PASS_START  # (no shard left: every instance is skipped)
-        return StreamPosition(
-            tuple(ShardPosition(pass_no, start, frontier=frontier)
-                  for _ in range(self.config.shards)),
-            0, tuple(range(self.config.shards)),
-            max((p.stream.produced for p in states if p.stream is not None), default=0))
+        return self._restarted(states, start, frontier)
 
     def _reframe_reader(self, states: list[ResumePoint]) -> StreamPosition:
         """Every new shard starts the pass at the reader's ``reshape_state``: the old
         shards' reader states at their blocks' starts and what of those blocks they
         delivered (replayed as the loader replays a block). The reader deals the rest."""
-        first = states[0]
-        per_rank, pass_no = first.shards or 1, first.pass_no
         options = self.config.batching.options
-        lanes: list[tuple[Any, list[int]] | None] = []
+        lanes: list[tuple[Any, list[int]] | None] = [
+            (p.start.state, delivered_in_block(options, p, seed) if p.batches else [])
+            if pending else None  # None: its pass was over
+            for p, pending, seed in self._old_shards(states)]
+        return self._restarted(states, BlockStart(0, 0, self.config.source.reshape_state(lanes)))
+
+    def _old_shards(self, states: list[ResumePoint]
+                    ) -> Iterator[tuple[ShardPosition, bool, int]]:
+        """Every old shard, rank by rank: its position, whether its pass was still under
+        way, and its pass's seed."""
+        per_rank, pass_no = states[0].shards or 1, states[0].pass_no
         for point in states:
             stream = point.stream or StreamPosition.begin(pass_no, per_rank)
             spec = replace(self.plan_spec, rank=point.rank, world_size=point.world_size)
             for w, position in enumerate(stream.shards):
-                if w not in stream.pending:
-                    lanes.append(None)  # its pass was over
-                    continue
-                done = delivered_in_block(options, position, worker_seed(spec, pass_no, w)) \
-                    if position.batches else []
-                lanes.append((position.start.state, done))
-        start = BlockStart(0, 0, self.config.source.reshape_state(lanes))
+                yield position, w in stream.pending, worker_seed(spec, pass_no, w)
+
+    def _restarted(self, states: list[ResumePoint], start: BlockStart,
+                   frontier: Frontier | None = None) -> StreamPosition:
+        """Every new shard at ``start`` of the states' pass."""
+        n = self.config.shards
         return StreamPosition(
-            tuple(ShardPosition(pass_no, start) for _ in range(self.config.shards)),
-            0, tuple(range(self.config.shards)),
+            tuple(ShardPosition(states[0].pass_no, start, frontier=frontier) for _ in range(n)),
+            0, tuple(range(n)),
             max((p.stream.produced for p in states if p.stream is not None), default=0))
 
     def _map_plan(self) -> Plan:

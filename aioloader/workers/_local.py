@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 from .._errors import BatchFailure
 from .._stats import NO_ARENA, ArenaStats, WorkerStats
-from ..pipeline._collate import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
 from ..pipeline._loads import (
     SKIP_REPORT,
     LoadOptions,
@@ -32,6 +31,7 @@ from ..pipeline._loads import (
 )
 from ..pipeline._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
 from ..pipeline._recycle import MEMORY, MIN_BYTES
+from ..pipeline._stacking import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
 from ..plane._codec import tensors_nbytes
 from ..plans._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
 from ..plans._sources import Kind, Unhooked

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 from .. import _loops
 from .._info import TORCH_INFO_PER_THREAD
-from ..pipeline._collate import TORCH_COLLATE_IN_THREADS
+from ..pipeline._stacking import TORCH_COLLATE_IN_THREADS
 from ..plane._dataplane import Shelf
 from ._worker import WorkerSpec, serve
 

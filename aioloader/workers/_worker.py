@@ -38,10 +38,10 @@ import torch
 
 from .._config import Workers
 from .._info import WorkerInfo, set_worker_info
-from ..pipeline._collate import route_torch_collate_into_arena, use_allocator
 from ..pipeline._loads import ALL_SKIPPED, SKIP_REPORT, LoadOptions, LoadStage, SkippedLoad
 from ..pipeline._pipeline import BatchOptions, Boundary, InOrder, Pipeline, each
 from ..pipeline._recycle import MEMORY
+from ..pipeline._stacking import route_torch_collate_into_arena, use_allocator
 from ..plane import _wire as wire
 from ..plane._arena import ArenaMap, SlotFull, SlotWriter
 from ..plane._codec import encode, tensors_nbytes

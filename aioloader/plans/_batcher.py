@@ -1,0 +1,150 @@
+"""Cutting a pass into batches: a cached list's index plan, and a stream's blocks (the
+Batcher), each block seeded by its number so that a pass resumes at any block; pure, no I/O."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ._samplers import BatchSampler, check_options, current_rng, derive_seed, index_batches, use_rng
+
+__all__ = ["Batcher", "Group", "plan_indices"]
+
+
+def plan_indices(
+    instances_or_len: Sequence[Any] | int,
+    *,
+    batch_size: int | None,
+    drop_last: bool,
+    shuffle: bool,
+    sampler: BatchSampler | None,
+    rng: random.Random,
+) -> list[list[int]]:
+    """Index batches for a cached list (or a map-style dataset's length); agrees with `Batcher`.
+
+    Without a sampler the shuffle is `index_batches`' (torch.randperm seeded from `rng`); a
+    sampler draws from `rng` through `current_rng()`.
+    """
+    check_options(batch_size, drop_last, shuffle, sampler)
+    if sampler is not None:
+        if isinstance(instances_or_len, int):
+            raise TypeError("plan_indices: a sampler needs the instances, not their number")
+        with use_rng(rng):
+            return [list(b) for b in sampler.get_batch_indices(instances_or_len)]
+    assert batch_size is not None  # check_options
+    n = instances_or_len if isinstance(instances_or_len, int) else len(instances_or_len)
+    return index_batches(n, batch_size, drop_last=drop_last, shuffle=shuffle, rng=rng)
+
+
+class Group(NamedTuple):
+    """One batch of instances, and where it lies in its pass: batch number ``batch`` of
+    block ``block`` (see :class:`Batcher`)."""
+
+    block: int
+    batch: int
+    items: list[Any]
+    size: int | None = None  # the block's instances, when it was planned whole (not streamed)
+
+
+class Batcher:
+    """Turns a stream of instances into batches, push-style, for sync and async loops alike.
+
+    The stream is cut into **blocks** of `chunk_size` instances (None: the whole pass is one
+    block); without a sampler a block is rounded down to whole batches. A block is shuffled
+    (or given to the sampler) with its own generator, seeded from (`seed`, block number), and
+    batches never span two blocks except that, without shuffling or a sampler, they stream
+    out as soon as they are full. So a pass can be resumed from the start of any block: its
+    batches are a function of the block's instances and number alone (issue 10). At most
+    `chunk_size` instances are held. After `finish()` it is ready for the next pass.
+
+    `seed` None draws one from `current_rng()` at construction. `first_block` numbers the
+    first block (a pass resumed at that block).
+
+    Examples:
+        batcher = Batcher(batch_size=2, drop_last=False, shuffle=True, sampler=None,
+                          chunk_size=100, seed=7)
+        for instance in stream:
+            for group in batcher.feed(instance):
+                yield group.items
+        yield from (group.items for group in batcher.finish())
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int | None,
+        drop_last: bool,
+        shuffle: bool,
+        sampler: BatchSampler | None,
+        chunk_size: int | None,
+        seed: int | None = None,
+        first_block: int = 0,
+    ) -> None:
+        check_options(batch_size, drop_last, shuffle, sampler)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+        self._shuffle = shuffle
+        self._sampler = sampler
+        self._seed = current_rng().getrandbits(64) if seed is None else seed
+        if chunk_size is None or sampler is not None:
+            self._capacity = chunk_size
+        else:
+            assert batch_size is not None
+            self._capacity = max(chunk_size // batch_size, 1) * batch_size
+        self._stream = sampler is None and not shuffle  # batches go out as they fill
+        self._first_block = first_block
+        self.block = first_block  # the block the next instance goes into
+        self.filled = 0  # instances in that block so far
+        self._pending: list[Any] = []  # the block's instances (sampler or shuffle)
+        self._batch: list[Any] = []  # the batch being filled (streaming)
+        self._index = 0  # batches of the block given out (streaming)
+
+    def feed(self, instance: Any) -> list[Group]:
+        """Take one instance; return the batches it completes (often none)."""
+        self.filled += 1
+        if self._stream:
+            self._batch.append(instance)
+            out = [self._streamed()] if len(self._batch) == self._batch_size else []
+        else:
+            self._pending.append(instance)
+            out = self._close_block() if self.filled == self._capacity else []
+        if self.filled == self._capacity:
+            self._next_block()
+        return out
+
+    def finish(self) -> list[Group]:
+        """The remaining batches of this pass; resets for the next one."""
+        if self._stream:
+            out = [self._streamed()] if self._batch and not self._drop_last else []
+        else:
+            out = self._close_block(last=True) if self._pending else []
+        self._batch, self._pending = [], []
+        self.block, self.filled, self._index = self._first_block, 0, 0
+        return out
+
+    def _next_block(self) -> None:
+        self.block += 1
+        self.filled = 0
+        self._index = 0
+
+    def _streamed(self) -> Group:
+        batch, self._batch = self._batch, []
+        self._index += 1
+        return Group(self.block, self._index - 1, batch)
+
+    def _close_block(self, last: bool = False) -> list[Group]:
+        chunk, self._pending = self._pending, []
+        rng = random.Random(derive_seed(self._seed, self.block))
+        if self._sampler is not None:
+            # The sampler draws from current_rng(): make that this block's generator.
+            with use_rng(rng):
+                plan = [list(b) for b in self._sampler.get_batch_indices(chunk)]
+        else:
+            plan = plan_indices(len(chunk), batch_size=self._batch_size,
+                                drop_last=self._drop_last and last, shuffle=True,
+                                sampler=None, rng=rng)
+        return [Group(self.block, k, [chunk[i] for i in b], len(chunk))
+                for k, b in enumerate(plan)]
