@@ -298,7 +298,7 @@ LEFTOVERS = textwrap.dedent("""
 
 def test_forked_workers_leave_inherited_objects_alone(tmp_path: Path) -> None:
     """Two runs out of about 15 under load once waited forever for the new loader's batch
-    (before the 2026-12-06 fixes); 60 runs of the script at load 11-14 did not, since. A
+    (2026-12-03, cause not found); 60 runs of the script at load 11-14 on 12-06 did not. A
     hang, if one comes again, prints every worker's stack and the parent's."""
     script = tmp_path / "leftovers.py"
     script.write_text(LEFTOVERS)
