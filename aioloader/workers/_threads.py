@@ -27,7 +27,8 @@ from .. import _loops
 from .._info import TORCH_INFO_PER_THREAD
 from ..pipeline._collate import TORCH_COLLATE_IN_THREADS
 from ..plane._dataplane import Shelf
-from ._worker import WorkerSpec, serve
+from ._spec import WorkerSpec
+from ._worker import serve
 
 log = logging.getLogger("aioloader")
 
