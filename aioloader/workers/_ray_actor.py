@@ -11,10 +11,12 @@ at a time. Ray does not do it for us: calls submitted in order from one thread t
 actor (``max_concurrency=1``) ran out of order here (Ray 2.60, calls queued while the
 actor was busy: a worker's random draws went to the wrong batches). So the actor is an
 async one; a call waits for its turn on Ray's loop, and its work runs in one thread of the
-actor's own (every call of the user's code in the same thread).
+actor's own (a map-style batch's fetch and collate); a stream's passes, ``worker_init_fn``
+and a load stage's loads run on the actor's own loop, in the loop's thread.
 
-The pipeline is the process worker's (``WorkerSpec.pipeline()``: source → loads → batcher
-→ collate), with its worker info, seeds, ``worker_init_fn``, shard and resume position.
+The set-up and the passes are the process worker's (``_passes.serving`` and
+``_passes.passes``: worker info, seeds, ``worker_init_fn``, the pipeline and its load
+stage; shard and resume position, recycling), turned into replies here.
 Its async parts (an async reader, a load stage) run on an event loop the actor owns for its
 lifetime, in a thread of its own (Ray's loop runs the calls' turns; ``run_until_complete``
 there raised "Cannot run the event loop while another loop is running"), which also keeps a
