@@ -36,7 +36,8 @@ INSIDE = {
     "workers": [["_producers", "_local"], ["_supervisor", "_ray"],
                 ["_link", "_standby", "_ray_cluster", "_threads"],
                 ["_supervising", "_phases", "_starting", "_pickling"],
-                ["_worker", "_ray_actor", "_steps"]],
+                ["_worker", "_ray_actor", "_steps"], ["_channel", "_passes"],
+                ["_spec", "_failures"]],
 }
 
 

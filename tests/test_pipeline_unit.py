@@ -40,8 +40,9 @@ from aioloader.plane._dataplane import Shelf
 from aioloader.plans._position import BlockStart, ShardPosition, ShardTracker
 from aioloader.plans._sources import Kind
 from aioloader.workers._local import LocalIndex, LocalInstances, LocalStream
+from aioloader.workers._spec import WorkerSpec
 from aioloader.workers._steps import PassDone
-from aioloader.workers._worker import WorkerSpec, serve
+from aioloader.workers._worker import serve
 
 pytestmark = pytest.mark.deadline(60)
 

@@ -36,10 +36,10 @@ from ..workers._producers import (
     WorkerInstances,
     WorkerStream,
 )
+from ..workers._spec import Plan as Role
+from ..workers._spec import WorkerSpec
 from ..workers._standby import StandbyPool
 from ..workers._supervisor import Supervisor
-from ..workers._worker import Plan as Role
-from ..workers._worker import WorkerSpec
 from ._session import Producer
 
 

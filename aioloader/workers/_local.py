@@ -29,12 +29,13 @@ from ..pipeline._loads import (
     SkippedLoad,
     ops_on_this_thread,
 )
-from ..pipeline._pipeline import Batch, BatchOptions, InOrder, Pipeline, Step
+from ..pipeline._pipeline import Batch, BatchOptions, Boundary, InOrder, Pipeline, Step
 from ..pipeline._recycle import MEMORY, MIN_BYTES
 from ..pipeline._stacking import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
 from ..plane._codec import tensors_nbytes
 from ..plans._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
-from ..plans._sources import Kind, Unhooked
+from ..plans._sources import Kind, Unhooked, aclose, unhooked
+from ._passes import Build, Event, PassEnd, passes
 from ._producers import Plan, Plans
 from ._steps import Activity, Delivered, PassDone
 
@@ -190,7 +191,7 @@ class _InProcess:
 
 def _fetch_thread(copier: concurrent.futures.Executor) -> None:
     """The fetch thread's set-up: torch on one OpenMP thread, and large stacks shared with
-    ``copier``'s thread (``_collate.copy_helper``)."""
+    ``copier``'s thread (``_stacking.copy_helper``)."""
     ops_on_this_thread()
     copy_helper(copier)
 
@@ -347,32 +348,42 @@ class LocalStream(_InProcess):
                  loads: LoadOptions | None = None, skips: SkipLog | None = None) -> None:
         super().__init__(Pipeline(source, kind, data_path, options, collate_fn, loads,
                                   rank=rank, world_size=world_size), timed=timed, skips=skips)
-        self._seed_for = seed_for
         self._shard = ShardTracker(start)
-        self._start: ShardPosition | None = start  # the first pass's, once
         self._produced = produced
+        self._passes: Unhooked[Event[Delivered]] = unhooked(passes(start, self._pass, seed_for))
 
     def position(self) -> StreamPosition:
         return StreamPosition((self._shard.position,), 0, (0,), self._produced)
 
     async def _next(self) -> Delivered | PassDone:
-        if self._work is None:
-            pass_no = self._shard.position.pass_no
-            start, self._start = self._start or ShardPosition(pass_no), None
-            stage = await self.enter_stage()
-            self._work = self.pipe.batches(start, self._seed_for(pass_no), stage,
-                                           touch=self.touch, offload=self.offload)
-        got = await self._next_batch(self._work)
-        if got is not None:
-            value, mark = got
-            self._shard.delivered(mark)
+        event = await anext(self._passes)
+        if isinstance(event, Build):
+            batch: Delivered = event.batch
+            self._shard.delivered(batch.mark)
             self._produced += 1
-            return self.delivered(value, mark)
+            return batch
+        assert isinstance(event, PassEnd)  # no retirement here: never a hand-over
         done = PassDone(self._produced == 0)
-        await self.end_pass()
         self._shard.ended()
         self._produced = 0
         return done
+
+    def _pass(self, start: ShardPosition, seed: int) -> Unhooked[Delivered | Boundary]:
+        return unhooked(self._built(start, seed))
+
+    async def _built(self, start: ShardPosition,
+                     seed: int) -> AsyncIterator[Delivered | Boundary]:
+        """One pass's batches, collated (a sync source's read and collated in the thread,
+        one hop a batch), inside the pass's load stage; no boundaries (nothing retires
+        here)."""
+        stage = await self.enter_stage()
+        self._work = steps = self.pipe.batches(start, seed, stage, touch=self.touch,
+                                               offload=self.offload)
+        try:
+            while (got := await self._next_batch(steps)) is not None:
+                yield self.delivered(*got)
+        finally:
+            await self.end_pass()
 
     async def _next_batch(self, steps: Work) -> tuple[Any, Any] | None:
         """The next (collated batch, mark) of the pass, or None at its end."""
@@ -391,6 +402,10 @@ class LocalStream(_InProcess):
 
     def behind(self) -> str:
         return "the reader in this process (num_workers=0)"
+
+    async def aclose(self, grace: float) -> None:
+        await aclose(self._passes)
+        await super().aclose(grace)
 
 
 class LocalInstances(_InProcess):

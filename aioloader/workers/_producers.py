@@ -23,9 +23,9 @@ from ..pipeline._pipeline import INSTANCE_CHUNK
 from ..plans._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ..plans._sources import shard_spec
 from ._phases import WorkerLost
+from ._spec import WorkerSpec
 from ._steps import Delivered, PassDone, Step
 from ._supervising import Arrival, Ended, Received
-from ._worker import WorkerSpec
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)
 

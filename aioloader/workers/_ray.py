@@ -65,8 +65,8 @@ from ._ray_cluster import (
     settled,
     wait_and_drop,
 )
+from ._spec import WorkerSpec
 from ._supervising import Supervising, rebuilt_error, worker_stats
-from ._worker import WorkerSpec
 
 log = logging.getLogger("aioloader")
 

@@ -11,10 +11,12 @@ at a time. Ray does not do it for us: calls submitted in order from one thread t
 actor (``max_concurrency=1``) ran out of order here (Ray 2.60, calls queued while the
 actor was busy: a worker's random draws went to the wrong batches). So the actor is an
 async one; a call waits for its turn on Ray's loop, and its work runs in one thread of the
-actor's own (every call of the user's code in the same thread).
+actor's own (a map-style batch's fetch and collate); a stream's passes, ``worker_init_fn``
+and a load stage's loads run on the actor's own loop, in the loop's thread.
 
-The pipeline is the process worker's (``WorkerSpec.pipeline()``: source → loads → batcher
-→ collate), with its worker info, seeds, ``worker_init_fn``, shard and resume position.
+The set-up and the passes are the process worker's (``_passes.serving`` and
+``_passes.passes``: worker info, seeds, ``worker_init_fn``, the pipeline and its load
+stage; shard and resume position, recycling), turned into replies here.
 Its async parts (an async reader, a load stage) run on an event loop the actor owns for its
 lifetime, in a thread of its own (Ray's loop runs the calls' turns; ``run_until_complete``
 there raised "Cannot run the event loop while another loop is running"), which also keeps a
@@ -44,12 +46,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._info import WorkerInfo, set_worker_info
 from ..pipeline._loads import ALL_SKIPPED, LoadStage, SkippedLoad
-from ..pipeline._pipeline import Boundary, Pipeline, each
+from ..pipeline._pipeline import Batch
 from ..plane._codec import tensors_nbytes
 from ..plans._position import ShardPosition
-from ._worker import WorkerSpec, own_memory, pickled_error, seed_everything, traceback_text
+from ._failures import pickled_error, traceback_text
+from ._passes import Build, PassEnd, Retirement, Serving, serving
+from ._spec import WorkerSpec
 
 T = TypeVar("T")
 
@@ -149,22 +152,6 @@ def _raised(exc: BaseException) -> Raised:
 
 
 @dataclass
-class _Retirement:
-    """Recycling (``max_batches_per_worker``, ``max_worker_rss``), decided here as a
-    process worker decides it: the batches built, and this process's own memory."""
-
-    max_batches: int | None
-    max_rss: int | None
-    batches: int = 0
-
-    def batch_done(self) -> bool:
-        self.batches += 1
-        if self.max_batches is not None and self.batches >= self.max_batches:
-            return True
-        return self.max_rss is not None and own_memory() > self.max_rss
-
-
-@dataclass
 class _Clock:
     """The share of its life the actor spent answering calls (``stats().workers[k].busy``)."""
 
@@ -192,31 +179,23 @@ class RayWorker:
         self.begun = 0  # index calls whose loads have started (they start in call order)
         self.skipped: list[SkippedLoad] = []
         self.failure: Raised | None = None
-        self.stack = contextlib.AsyncExitStack()
+        self.stack = contextlib.AsyncExitStack()  # the set-up's: left with the process
+        self.serving: Serving | None = None
+        self.retirement = Retirement(spec.workers)  # index batches' (a stream's: its passes')
         self.stage: LoadStage | None = None
-        self.pipe: Pipeline = spec.pipeline()
-        self.retirement = _Retirement(spec.workers.max_batches, spec.workers.max_rss)
         self.replies: AsyncIterator[Reply] | None = None
         self.last: Reply | None = None  # a stream that ended answers with its last word
         _carry_tensors_out_of_band()
-        info = WorkerInfo(spec.workers.num_workers, worker_id, spec.seed_for(spec.first_pass),
-                          spec.rank, spec.world_size)
-        set_worker_info(info, dataset=spec.source)
-        seed_everything(info.seed)
-        try:
-            if spec.workers.init_fn is not None:
-                spec.workers.init_fn(worker_id)  # as torch: after seeds and worker info
-            self._run(self._enter_stage())
+        try:  # a process worker's set-up (``serve``), on the actor's loop
+            self.serving = self._run(self.stack.enter_async_context(
+                serving(spec, self._report)))
         except Exception as exc:  # noqa: BLE001 - the first call answers with it
             self.failure = _raised(exc)
+        else:
+            self.stage = self.serving.stage
 
-    async def _enter_stage(self) -> None:
-        async def report(s: SkippedLoad) -> None:
-            self.skipped.append(s)
-
-        made = self.pipe.stage(self.spec.worker_id, report=report)
-        if made is not None:
-            self.stage = await self.stack.enter_async_context(made)
+    async def _report(self, skipped: SkippedLoad) -> None:
+        self.skipped.append(skipped)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -270,11 +249,13 @@ class RayWorker:
                loading: Future[list[Any]] | None = None) -> Reply:
         if self.failure is not None:
             return self.failure
+        assert self.serving is not None
+        pipe = self.serving.pipe
         began = time.monotonic()
         try:
-            items = loading.result() if loading is not None else self.pipe.fetch(indices)
+            items = loading.result() if loading is not None else pipe.fetch(indices)
             # Every key of the batch skipped: an empty answer, which the parent passes over.
-            value = self.pipe.collate(items) if items or self.stage is None else None
+            value = pipe.collate(items) if items or self.stage is None else None
             mark = None if value is not None or self.stage is None else ALL_SKIPPED
             retire = self.retirement.batch_done()
         except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
@@ -311,45 +292,23 @@ class RayWorker:
         return reply
 
     async def _stream(self) -> AsyncIterator[Reply]:
-        """Passes over this worker's shard, as ``_worker._run_stream`` runs them."""
-        spec, pipe, stage = self.spec, self.pipe, self.stage
-        start = spec.start()
-        pass_no = start.pass_no
-        seeded = spec.seed_for(spec.first_pass)  # in __init__, before worker_init_fn ran
-        while True:
-            seed = spec.seed_for(pass_no)
-            set_worker_info(WorkerInfo(spec.workers.num_workers, spec.worker_id, seed,
-                                       spec.rank, spec.world_size), dataset=spec.source)
-            if seed != seeded:  # not again: worker_init_fn's seeding stays
-                seed_everything(seed)
-            seeded = -1
-            sent = 0
-            due = False
-            if spec.plan == "instances":
-                async with contextlib.aclosing(each(pipe.chunks(start.start, stage))) as it:
-                    async for chunk in it:
-                        yield Built(sent, None, chunk, 0, self.clock.busy,
+        """The worker's passes (:func:`~aioloader.workers._passes.passes`) as replies; the
+        stream ends after a hand-over, or after the one pass of instances."""
+        assert self.serving is not None
+        pipe = self.serving.pipe
+        async with contextlib.aclosing(self.serving.passes()) as events:
+            async for event in events:
+                if isinstance(event, Build):
+                    step = event.batch
+                    if isinstance(step, Batch):
+                        value = pipe.collate(step.items)
+                        yield Built(event.seq, step.mark, value, tensors_nbytes(value),
+                                    self.clock.busy, skipped=self._taken_skips())
+                    else:  # a chunk of instances, as it is
+                        yield Built(event.seq, None, step, 0, self.clock.busy,
                                     skipped=self._taken_skips())
-                        sent += 1
-                yield PassOver(pass_no, sent, self.clock.busy, self._taken_skips())
-                return  # one pass only: later calls get that pass end again
-            async with contextlib.aclosing(each(pipe.batches(start, seed, stage))) as steps:
-                async for step in steps:
-                    if isinstance(step, Boundary):
-                        if due:  # retiring, at a block boundary: the successor starts here
-                            yield Retire(ShardPosition(pass_no, step.start,
-                                                       frontier=start.frontier),
-                                         self._taken_skips())
-                            return
-                        continue
-                    value = pipe.collate(step.items)
-                    yield Built(sent, step.mark, value, tensors_nbytes(value),
-                                self.clock.busy, skipped=self._taken_skips())
-                    sent += 1
-                    due = self.retirement.batch_done() or due
-            yield PassOver(pass_no, sent, self.clock.busy, self._taken_skips())
-            pass_no += 1
-            start = ShardPosition(pass_no)
-            if due:
-                yield Retire(start, self._taken_skips())
-                return
+                elif isinstance(event, PassEnd):
+                    yield PassOver(event.pass_no, event.batches, self.clock.busy,
+                                   self._taken_skips())
+                else:
+                    yield Retire(event.position, self._taken_skips())

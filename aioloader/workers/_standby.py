@@ -48,6 +48,7 @@ import torch.multiprocessing
 
 from .._errors import SourcePicklingError
 from ._pickling import check_picklable, fds_passed, spawn_dumps
+from ._spec import WorkerSpec
 from ._starting import (
     EXIT_GRACE,
     STARTER,
@@ -60,7 +61,7 @@ from ._starting import (
     stop_processes,
     unlist,
 )
-from ._worker import WorkerSpec, worker_main
+from ._worker import worker_main
 
 _HEADER = struct.Struct("!QQI")  # bytes of the changes, bytes of the spec, fds passed
 _FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253 on Linux

@@ -37,7 +37,8 @@ from typing import Any, Protocol, TypeAlias
 import torch.multiprocessing
 
 from .._errors import UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT
-from ._worker import WorkerSpec, forking, worker_main
+from ._spec import WorkerSpec
+from ._worker import forking, worker_main
 
 STARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloader-start")
 

@@ -34,7 +34,7 @@ from ._phases import (
     Switch,
     WorkerState,
 )
-from ._worker import WorkerSpec
+from ._spec import WorkerSpec
 
 log = logging.getLogger("aioloader")
 

@@ -43,6 +43,7 @@ from ._phases import (
     WorkerState,
 )
 from ._pickling import check_picklable
+from ._spec import WorkerSpec
 from ._standby import Standby, StandbyPool, hand_off_worker
 from ._starting import (
     EXIT_GRACE,
@@ -54,7 +55,6 @@ from ._starting import (
 )
 from ._supervising import Supervising, worker_stats
 from ._threads import ThreadWorker
-from ._worker import WorkerSpec
 
 log = logging.getLogger("aioloader")
 

@@ -27,7 +27,8 @@ from .. import _loops
 from .._info import TORCH_INFO_PER_THREAD
 from ..pipeline._stacking import TORCH_COLLATE_IN_THREADS
 from ..plane._dataplane import Shelf
-from ._worker import WorkerSpec, serve
+from ._spec import WorkerSpec
+from ._worker import serve
 
 log = logging.getLogger("aioloader")
 
@@ -154,7 +155,7 @@ class ThreadWorker:
 @contextlib.contextmanager
 def torch_for_threads() -> Iterator[None]:
     """A thread worker's lifetime: torch's ``get_worker_info()`` answers per thread and its
-    ``default_collate`` makes no shared memory (aioloader/_info.py, _collate.py). Both are
+    ``default_collate`` makes no shared memory (aioloader/_info.py, pipeline/_stacking.py). Both are
     undone when the last thread worker of this process ends."""
     with TORCH_INFO_PER_THREAD.scope(), TORCH_COLLATE_IN_THREADS.scope():
         yield

@@ -15,95 +15,29 @@ signals, torch's thread count and collate map, the global RNGs, exiting.
 
 from __future__ import annotations
 
-import array
 import asyncio
-import collections
 import contextlib
 import gc
 import os
-import pickle
-import random
 import select
 import signal
 import socket
 import sys
 import threading
-import time
-import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import torch
 
-from .._config import Workers
-from .._info import WorkerInfo, set_worker_info
-from ..pipeline._loads import ALL_SKIPPED, SKIP_REPORT, LoadOptions, LoadStage, SkippedLoad
-from ..pipeline._pipeline import BatchOptions, Boundary, InOrder, Pipeline, each
-from ..pipeline._recycle import MEMORY
-from ..pipeline._stacking import route_torch_collate_into_arena, use_allocator
+from ..pipeline._loads import ALL_SKIPPED, SKIP_REPORT, LoadStage, SkippedLoad
+from ..pipeline._pipeline import Batch, InOrder, Pipeline
+from ..pipeline._stacking import route_torch_collate_into_arena
 from ..plane import _wire as wire
-from ..plane._arena import ArenaMap, SlotFull, SlotWriter
-from ..plane._codec import encode, tensors_nbytes
-from ..plane._dataplane import RefPool, Shelf, SlotPool
-from ..plans._position import Mark, ShardPosition
-from ..plans._samplers import derive_seed
-from ..plans._sources import Kind, Unhooked
-
-Plan = Literal["stream", "instances", "index"]
-PROGRESS_EVERY = 0.1  # seconds of reading without a message before a Progress is sent
-_PROGRESS_FRAME = wire.encode(wire.Progress())
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker needs; pickled as is for spawn and forkserver. ``workers`` is the
-    loader's config part of that name, as it is (limits, slots, niceness, worker_init_fn)."""
-
-    source: Any
-    kind: Kind
-    data_path: Any
-    plan: Plan
-    options: BatchOptions
-    collate_fn: Callable[[list[Any]], Any] | None
-    workers: Workers
-    worker_id: int
-    rank: int
-    world_size: int
-    seed: int
-    first_pass: int
-    parent_pid: int
-    starts: tuple[ShardPosition, ...] | None = None  # per worker: where a resumed stream starts
-    loads: LoadOptions | None = None  # the source yields keys; this stage loads them
-
-    def parts(self) -> dict[str, Any]:
-        """What spawn and forkserver pickle of the user's, by the names they were given."""
-        return {"source": self.source, "collate_fn": self.collate_fn, "options": self.options,
-                "worker_init_fn": self.workers.init_fn}
-
-    def for_worker(self, worker_id: int) -> WorkerSpec:
-        return replace(self, worker_id=worker_id)
-
-    def starting_at(self, start: ShardPosition, num_workers: int) -> WorkerSpec:
-        """This worker's spec, its stream starting at ``start`` (a restart)."""
-        starts = list(self.starts or [ShardPosition(self.first_pass)] * num_workers)
-        starts[self.worker_id] = start
-        return replace(self, starts=tuple(starts))
-
-    def start(self) -> ShardPosition:
-        """Where this worker's stream starts (a resumed loader's position, issue 10)."""
-        if self.starts is None:
-            return ShardPosition(self.first_pass)
-        return self.starts[self.worker_id]
-
-    def seed_for(self, pass_no: int) -> int:
-        return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
-
-    def pipeline(self) -> Pipeline:
-        """What this worker reads, and how it becomes batches."""
-        return Pipeline(self.source, self.kind, self.data_path, self.options, self.collate_fn,
-                        self.loads, self.worker_id, self.workers.num_workers, self.rank,
-                        self.world_size)
+from ..plane._dataplane import Shelf
+from ._channel import Channel
+from ._failures import described
+from ._passes import Build, PassEnd, Retirement, Serving, serving
+from ._spec import WorkerSpec
 
 
 class _Forking(threading.local):
@@ -240,298 +174,45 @@ def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
     threading.Thread(target=watch, name="aioloader-parent-watch", daemon=True).start()
 
 
-class _Channel:
-    """The worker's end of its socket: commands in, framed messages out, arena slots."""
-
-    def __init__(self, spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None) -> None:
-        self.spec = spec
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-        self.frames = wire.FrameReader()
-        self.shelf = shelf
-        self.pool = (SlotPool(spec.workers.slots, f"aioloader-w{spec.worker_id}") if shelf is None
-                     else RefPool(spec.workers.slots, shelf))
-        self.tasks: collections.deque[wire.Task] = collections.deque()
-        self.eof = False
-        self.last_sent = self.started = time.monotonic()
-        self.idle = 0.0  # seconds spent waiting for a slot or a task (telemetry: busy share)
-        self._waiters: list[asyncio.Future[None]] = []  # a load stage has several
-        self.on_eof: Callable[[], object] | None = None
-        sock.setblocking(False)
-        self.loop.add_reader(sock.fileno(), self._on_readable)
-
-    def close(self) -> None:
-        self.loop.remove_reader(self.sock.fileno())
-        self.pool.close()
-
-    def _on_readable(self) -> None:
-        try:
-            data = self.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.eof = True
-            self.loop.remove_reader(self.sock.fileno())
-            if self.on_eof is not None:
-                self.on_eof()
-        else:
-            for msg in self.frames.feed(data):
-                if isinstance(msg, wire.Release):
-                    self.pool.returned(msg.slot)
-                elif isinstance(msg, wire.Task):
-                    self.tasks.append(msg)
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def _until(self, ready: Callable[[], bool]) -> bool:
-        """Wait for ``ready()``; False when the parent went away first."""
-        if ready():
-            return True
-        began = time.monotonic()
-        try:
-            while not ready():
-                if self.eof:
-                    return False
-                fut = self.loop.create_future()
-                self._waiters.append(fut)
-                await fut
-            return True
-        finally:
-            self.idle += time.monotonic() - began
-
-    async def slot(self) -> int | None:
-        if not await self._until(lambda: bool(self.pool.free)):
-            return None
-        return self.pool.reserve()
-
-    async def task(self) -> wire.Task | None:
-        if not await self._until(lambda: bool(self.tasks)):
-            return None
-        return self.tasks.popleft()
-
-    async def send(self, msg: wire.Message, fds: list[int] | None = None) -> None:
-        frame = wire.encode(msg)
-        self.last_sent = time.monotonic()
-        if not fds:
-            await self.loop.sock_sendall(self.sock, frame)
-            return
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        while True:
-            try:
-                sent = self.sock.sendmsg([frame], ancillary)
-                break
-            except (BlockingIOError, InterruptedError):
-                await self._writable()
-        if sent < len(frame):
-            await self.loop.sock_sendall(self.sock, frame[sent:])
-
-    def progress(self) -> None:
-        """Say "still reading" when nothing went out for a while: the parent's timeout
-        measures silence, and a slow reader that keeps producing is not silent.
-
-        Called between instances, when no send is in flight; a full socket skips it.
-        """
-        now = time.monotonic()
-        if now - self.last_sent < PROGRESS_EVERY:
-            return
-        self.last_sent = now
-        with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
-            self.sock.send(_PROGRESS_FRAME)
-
-    async def _writable(self) -> None:
-        fut: asyncio.Future[None] = self.loop.create_future()
-        fd = self.sock.fileno()
-
-        def ready() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        self.loop.add_writer(fd, ready)
-        try:
-            await fut
-        finally:
-            self.loop.remove_writer(fd)
-
-    async def emit(self, seq: int, make: Callable[[], Any],
-                   mark: Mark | str | None = None) -> bool:
-        """Build one message body in a free slot with ``make()`` and send it.
-
-        The collate writes straight into the slot (its allocator); whatever it made
-        elsewhere is copied in by the encoder. A batch larger than a slot grows the arena.
-        """
-        slot = await self.slot()
-        if slot is None:
-            return False
-        try:
-            return await self._fill(slot, seq, make, mark)
-        except BaseException:
-            self.pool.free.appendleft(slot)  # never published: it is still ours
-            raise
-
-    async def _fill(self, slot: int, seq: int, make: Callable[[], Any],
-                    mark: Mark | str | None) -> bool:
-        pool = self.pool
-        if isinstance(pool, RefPool):  # a thread worker: the batch itself, by reference
-            with use_allocator(MEMORY):  # memory that batches dropped before left warm
-                payload = make()
-            pool.put(slot, payload)
-            busy = time.monotonic() - self.started - self.idle
-            await self.send(wire.Batch(slot, seq, tensors_nbytes(payload), None, mark, busy))
-            return True
-        if pool.arena is None:
-            payload = make()  # the first batch tells how large a slot must be
-            slot = await self._grow(tensors_nbytes(payload), slot)
-            writer = SlotWriter(self._arena(), slot)
-        else:
-            writer = SlotWriter(pool.arena, slot)
-            with use_allocator(writer.alloc):
-                payload = make()
-            if writer.overflow:
-                slot = await self._grow(writer.pos - writer.start + writer.overflow, slot)
-                writer = SlotWriter(self._arena(), slot)
-        try:
-            tree = encode(payload, writer)
-        except SlotFull as full:
-            slot = await self._grow(full.needed, slot)
-            writer = SlotWriter(self._arena(), slot)
-            tree = encode(payload, writer)
-        nbytes = writer.pos - writer.start
-        busy = time.monotonic() - self.started - self.idle
-        await self.send(wire.Batch(slot, seq, nbytes, tree, mark, busy))
-        return True
-
-    def _arena(self) -> ArenaMap:
-        assert self.pool.arena is not None
-        return self.pool.arena
-
-    async def _grow(self, needed: int, holding: int) -> int:
-        """Make sure a slot holds ``needed`` bytes; the slot to write the batch in."""
-        if self.pool.fits(needed):
-            return holding
-        grown = self.pool.grow(needed, holding)
-        try:
-            await self.send(wire.Arena(self.spec.workers.slots, grown.slot_size), fds=[grown.fd])
-        finally:
-            os.close(grown.fd)
-        return grown.slot
-
-
-class _ParentGone(Exception):
-    """The socket reached EOF: the parent closed it or died."""
-
-
 async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = None) -> int:
     """Serve the parent on ``sock`` until EOF; the exit code (a process exits with it).
 
     ``shelf``: a thread worker's, for its batches and its exception, by reference.
     """
-    chan = _Channel(spec, sock, shelf)
-    info = WorkerInfo(spec.workers.num_workers, spec.worker_id, spec.seed_for(spec.first_pass),
-                      spec.rank, spec.world_size)
-    set_worker_info(info, dataset=spec.source, thread=spec.workers.threaded)
-    if not spec.workers.threaded:  # a thread would reseed the user's own process
-        seed_everything(info.seed)
-    try:
-        if spec.workers.init_fn is not None:
-            # As torch: after the seeds and worker info, before any data is read; in every
-            # process that serves the spec (a restarted or recycled worker's too). Its
-            # exception is the worker's, reported like any other.
-            spec.workers.init_fn(spec.worker_id)
-        pipe = spec.pipeline()
-        async with contextlib.AsyncExitStack() as stack:
-            stage = None
-            if spec.loads is not None or spec.workers.threaded:
-                # Loads in flight (or a thread's async reader) wait on the network, not on
-                # us: EOF (a close) cancels them at once, rather than after the parent's
-                # grace period, past which a thread could only be cancelled anyway.
-                serving = asyncio.current_task()
-                assert serving is not None
-                chan.on_eof = serving.cancel
-            def report(s: SkippedLoad) -> Awaitable[None]:
-                return chan.send(wire.Skipped(_plain(s.key), s.attempts, s.error))
+    chan = Channel(spec.workers.slots, f"aioloader-w{spec.worker_id}", sock, shelf)
+    if spec.loads is not None or spec.workers.threaded:
+        # Loads in flight (or a thread's async reader) wait on the network, not on us: EOF
+        # (a close) cancels them at once, rather than after the parent's grace period,
+        # past which a thread could only be cancelled anyway.
+        serving_task = asyncio.current_task()
+        assert serving_task is not None
+        chan.on_eof = serving_task.cancel
 
-            made = pipe.stage(spec.worker_id, report=report)
-            if made is not None:
-                stage = await stack.enter_async_context(made)
+    def report(s: SkippedLoad) -> Awaitable[None]:
+        return chan.send(wire.Skipped(_plain(s.key), s.attempts, s.error))
+
+    code = 0
+    try:
+        async with serving(spec, report) as worker:
             SKIP_REPORT.set(report)  # a reader's own skips too (this task's context)
             if spec.plan == "index":
-                await _run_index(spec, pipe, chan, stage)
+                await _run_index(worker, chan)
             else:
-                await _run_stream(spec, pipe, chan, stage)
-    except _ParentGone:
-        pass
+                await _run_stream(worker, chan)
     except asyncio.CancelledError:
         if not chan.eof:
             raise
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then we exit
-        if chan.eof:
-            return 0
-        await _report(chan, exc, shelf)
-        if shelf is not None:
-            return 1  # a thread ends; only its process may exit
-        chan.close()
-        sock.close()
-        os._exit(1)
+        if not chan.eof:  # after EOF, nobody is left to tell: a plain end
+            with contextlib.suppress(OSError):
+                await chan.send(wire.Failed(*described(exc, shelf)))
+            code = 1
     finally:
         chan.close()
         sock.close()
-    return 0
-
-
-async def _report(chan: _Channel, exc: BaseException, shelf: Shelf | None) -> None:
-    with contextlib.suppress(OSError):
-        await chan.send(wire.Failed(*_described(exc, shelf)))
-
-
-def _described(exc: BaseException, shelf: Shelf | None,
-               seq: int | None = None) -> tuple[str, str, bytes | None]:
-    """``exc`` as the wire carries it: its repr, its traceback, and itself pickled; a
-    thread worker's parent is in this process and takes the exception itself from
-    ``shelf`` (by batch ``seq``, or as the worker's own)."""
-    pickled: bytes | None = None
-    if shelf is None:
-        pickled = pickled_error(exc)
-    elif seq is None:
-        shelf.error = exc
-    else:
-        shelf.errors[seq] = exc
-    return repr(exc), traceback_text(exc), pickled
-
-
-def pickled_error(exc: BaseException) -> bytes | None:
-    """``exc`` pickled, if it survives the round trip (None: the parent gets its text)."""
-    try:
-        pickled = pickle.dumps(exc)
-        pickle.loads(pickled)
-    except Exception:  # noqa: BLE001 - the traceback text still reaches the parent
-        return None
-    return pickled
-
-
-def traceback_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-
-
-def seed_everything(seed: int) -> None:
-    """A worker's global RNGs (Python's, torch's, numpy's) seeded for its worker and pass;
-    a Ray actor's process is ours too, so it is seeded the same way."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % (1 << 32))
-    except ImportError:
-        pass
-
-
-def _collated(pipe: Pipeline, items: list[Any],
-              indices: list[Any] | None = None) -> Callable[[], Any]:
-    return lambda: pipe.collate(items, indices)
+    if code and shelf is None:
+        os._exit(code)  # a process: its parent has the exception; nothing else runs here
+    return code  # a thread ends; only its process may exit
 
 
 def _plain(key: Any) -> Any:
@@ -539,128 +220,53 @@ def _plain(key: Any) -> Any:
     return key if isinstance(key, (str, int, float, bool, bytes, type(None))) else repr(key)
 
 
-class _Retirement:
-    """When this worker should hand its work to a successor: after ``max_batches`` batches,
-    or once its resident memory passes ``max_rss`` (a big forked dataset's pages turn
-    private as Python's refcounts touch them: torch issue 13246)."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.max_batches = spec.workers.max_batches
-        self.max_rss = spec.workers.max_rss
-        self.batches = 0
-
-    def batch_done(self) -> bool:
-        """Count a batch; True when the worker should retire now."""
-        self.batches += 1
-        if self.max_batches is not None and self.batches >= self.max_batches:
-            return True
-        # One read of smaps_rollup a batch: ~0.1-1 ms, against a batch of real work.
-        return self.max_rss is not None and own_memory() > self.max_rss
-
-
-def own_memory() -> int:
-    """Bytes of memory this process holds alone: its private pages (USS).
-
-    Not the RSS, which counts the pages a forked worker still shares with its parent: a
-    worker's RSS starts as large as the parent's. Copy-on-access growth is private pages.
-    """
-    try:
-        with open("/proc/self/smaps_rollup", "rb") as f:
-            text = f.read()
-    except OSError:  # not Linux: the peak RSS is the best there is
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    total = 0
-    for line in text.splitlines():
-        if line.startswith((b"Private_Clean:", b"Private_Dirty:")):
-            total += int(line.split()[1]) * 1024
-    return total
-
-
-async def _run_stream(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
-                      stage: LoadStage | None) -> None:
-    """Passes over this worker's shard, one after the other, until the parent stops us."""
-    start = spec.start()
-    pass_no = start.pass_no
-    retire = _Retirement(spec)
-    seeded = spec.seed_for(spec.first_pass)  # by _serve, before worker_init_fn ran
-    touch = chan.progress if spec.workers.progress else None
-    while True:
-        seed = spec.seed_for(pass_no)
-        threaded = spec.workers.threaded
-        set_worker_info(WorkerInfo(spec.workers.num_workers, spec.worker_id, seed, spec.rank,
-                                   spec.world_size), dataset=spec.source, thread=threaded)
-        if seed != seeded and not threaded:  # not again: worker_init_fn's seeding stays
-            seed_everything(seed)
-        seeded = -1
-        sent = 0
-        due = False
-        if spec.plan == "instances":
-            sent = await _send_instances(chan, pipe.chunks(start.start, stage, touch=touch))
-        else:
-            async with contextlib.aclosing(each(pipe.batches(start, seed, stage,
-                                                             touch=touch))) as steps:
-                async for step in steps:
-                    if isinstance(step, Boundary):
-                        if due:  # retiring, at a block boundary: the successor starts here
-                            await _hand_over(chan, ShardPosition(
-                                pass_no, step.start, frontier=start.frontier))
-                            return
-                        continue
-                    if not await chan.emit(sent, _collated(pipe, step.items), step.mark):
-                        return
-                    sent += 1
-                    due = retire.batch_done() or due
-        slot = await chan.slot()  # a pass end takes a slot too: bounded, even when empty
-        if slot is None:
-            return
-        await chan.send(wire.PassEnd(slot, pass_no, sent))
-        if spec.plan == "instances":
-            await chan._until(lambda: False)  # one pass only: wait for the parent to close
-            return
-        pass_no += 1
-        start = ShardPosition(pass_no)
-        if due:
-            await _hand_over(chan, start)
-            return
-
-
-async def _hand_over(chan: _Channel, position: ShardPosition | None) -> None:
-    """Retire: say where a successor takes over, then wait for the parent to close us."""
-    await chan.send(wire.Retiring(position.to_data() if position is not None else None))
-    await chan._until(lambda: False)
-
-
-async def _send_instances(chan: _Channel,
-                          chunks: Iterable[list[Any]] | Unhooked[list[Any]]) -> int:
-    """One pass of instances, in chunks (a cache fills from them); a key skipped on error
-    goes as its SkippedLoad marker, so that the parent's count of keys stays right."""
-    sent = 0
-    async with contextlib.aclosing(each(chunks)) as it:
-        async for chunk in it:
-            if not await chan.emit(sent, _given(chunk)):
-                raise _ParentGone
-            sent += 1
-    return sent
+def _collated(pipe: Pipeline, items: list[Any],
+              indices: list[Any] | None = None) -> Callable[[], Any]:
+    return lambda: pipe.collate(items, indices)
 
 
 def _given(value: Any) -> Callable[[], Any]:
     return lambda: value
 
 
-async def _run_index(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
-                     stage: LoadStage | None) -> None:
+async def _run_stream(worker: Serving, chan: Channel) -> None:
+    """The worker's passes (:func:`~aioloader.workers._passes.passes`) over the wire: each
+    batch built into a slot, each pass end in a slot of its own (bounded, even when the
+    pass was empty), a hand-over as the successor's position; until the parent stops us."""
+    touch = chan.progress if worker.spec.workers.progress else None
+    pipe = worker.pipe
+    async with contextlib.aclosing(worker.passes(touch)) as events:
+        async for event in events:
+            if isinstance(event, Build):
+                step = event.batch
+                if isinstance(step, Batch):
+                    made = await chan.emit(event.seq, _collated(pipe, step.items), step.mark)
+                else:  # a chunk of instances, as it is
+                    made = await chan.emit(event.seq, _given(step))
+                if not made:
+                    return
+            elif isinstance(event, PassEnd):
+                slot = await chan.slot()
+                if slot is None:
+                    return
+                await chan.send(wire.PassEnd(slot, event.pass_no, event.batches))
+            else:
+                await chan.send(wire.Retiring(event.position.to_data()))
+    await chan.closed()  # a hand-over, or instances' one pass: the parent closes us
+
+
+async def _run_index(worker: Serving, chan: Channel) -> None:
     """Fetch and collate the index batches the parent sends, in the order it sends them.
 
     A retiring worker says so and answers no more tasks: the parent gives the ones it did
     not answer to its successor, and closes this one once its batches are taken.
     """
-    if stage is not None:
-        await _run_index_loaded(spec, pipe, chan, stage)
+    if worker.stage is not None:
+        await _run_index_loaded(worker, chan, worker.stage)
         return
-    retire = _Retirement(spec)
-    touch = chan.progress if spec.workers.progress else None
+    pipe = worker.pipe
+    retire = Retirement(worker.spec.workers)
+    touch = chan.progress if worker.spec.workers.progress else None
     while True:
         task = await chan.task()
         if task is None:
@@ -669,28 +275,34 @@ async def _run_index(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
             items = pipe.fetch(task.indices, touch)
             sent = await chan.emit(task.seq, _collated(pipe, items, task.indices))
         except Exception as exc:  # noqa: BLE001 - that batch's error; the next task follows
-            await chan.send(wire.BatchFailed(task.seq, *_described(exc, chan.shelf, task.seq)))
+            await chan.send(wire.BatchFailed(task.seq, *described(exc, chan.shelf, task.seq)))
             continue
         if not sent:
             return
         if retire.batch_done():
-            await _hand_over(chan, None)
+            await _retire(chan)
             return
 
 
-async def _tasks(chan: _Channel) -> AsyncIterator[wire.Task]:
+async def _retire(chan: Channel) -> None:
+    """An index worker retires: the parent gives its unanswered tasks to a successor."""
+    await chan.send(wire.Retiring(None))
+    await chan.closed()
+
+
+async def _tasks(chan: Channel) -> AsyncIterator[wire.Task]:
     """The parent's tasks, as they arrive, until it goes away."""
     while (task := await chan.task()) is not None:
         yield task
 
 
-async def _run_index_loaded(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
-                            stage: LoadStage) -> None:
+async def _run_index_loaded(worker: Serving, chan: Channel, stage: LoadStage) -> None:
     """:func:`_run_index` with a load stage: every task the parent sent starts its loads at
     once (the stage's gate bounds them), so loads overlap across batches; batches still go
     out in the order of the tasks."""
-    retire = _Retirement(spec)
-    fetches = InOrder(_tasks(chan), lambda task: stage.fetch(spec.source, task.indices))
+    pipe, source = worker.pipe, worker.spec.source
+    retire = Retirement(worker.spec.workers)
+    fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
     try:
         async for task, group in fetches:
             # Every key of the batch skipped: an empty answer, which the parent passes over.
@@ -698,7 +310,7 @@ async def _run_index_loaded(spec: WorkerSpec, pipe: Pipeline, chan: _Channel,
             if not await chan.emit(task.seq, make, None if group else ALL_SKIPPED):
                 return
             if retire.batch_done():
-                await _hand_over(chan, None)
+                await _retire(chan)
                 return
     finally:
         await fetches.aclose()

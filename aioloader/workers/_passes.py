@@ -1,0 +1,213 @@
+"""A worker's passes, whatever carries its batches: its set-up, then pass after pass.
+
+Written once for every transport (issue 34): a process or thread worker wraps these events
+with its wire and arena (``_worker``), the Ray actor turns them into its replies
+(``_ray_actor``), and the in-process producer iterates them (``_local.LocalStream``).
+:func:`passes` decides which pass comes next, from where and with which seed, counts the
+batches of each, and says where a successor takes over when the worker retires; building a
+batch and sending it are the caller's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from .._config import Workers
+from .._info import WorkerInfo, set_worker_info
+from ..pipeline._loads import LoadStage, Report
+from ..pipeline._pipeline import Batch, Boundary, Pipeline, Touch, each
+from ..plans._position import ShardPosition
+from ..plans._sources import Unhooked
+from ._spec import WorkerSpec
+
+B = TypeVar("B")
+
+
+@dataclass(frozen=True, slots=True)
+class Build(Generic[B]):
+    """Build batch ``seq`` of the pass (its ``batch``: a :class:`Batch`, a chunk of
+    instances, or what the caller's pass yields) and hand it on."""
+
+    seq: int
+    batch: B
+
+
+@dataclass(frozen=True, slots=True)
+class PassEnd:
+    """Pass ``pass_no`` ended after ``batches`` batches (those of this worker's run)."""
+
+    pass_no: int
+    batches: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandOver:
+    """The worker retires: its successor starts at ``position``. Nothing follows."""
+
+    position: ShardPosition
+
+
+Event = Build[B] | PassEnd | HandOver
+# One pass's steps, from its start and with its seed: batches and block boundaries.
+OpenPass = Callable[[ShardPosition, int], Iterable[B | Boundary] | Unhooked[B | Boundary]]
+
+
+async def passes(start: ShardPosition, open_pass: OpenPass[B], begin: Callable[[int], int],
+                 retirement: Retirement | None = None, *,
+                 one_pass: bool = False) -> AsyncGenerator[Event[B], None]:
+    """The worker's passes from ``start`` on, one after the other, as events.
+
+    ``begin(pass_no)``: called as each pass begins; the pass's seed. A batch counts (for
+    ``retirement``) once the caller asks for the next event, after building it. A worker due
+    to retire goes on to the next block boundary, where a successor can begin (or to the pass
+    end); a resumed worker's frontier holds in its first pass only. ``one_pass``: stop after
+    the first pass end (instances for a cache).
+    """
+    pass_no = start.pass_no
+    while True:
+        seed = begin(pass_no)
+        sent = 0
+        due = False
+        async with contextlib.aclosing(each(open_pass(start, seed))) as steps:
+            async for step in steps:
+                if isinstance(step, Boundary):
+                    if due:  # retiring, at a block boundary: the successor starts here
+                        yield HandOver(ShardPosition(pass_no, step.start,
+                                                     frontier=start.frontier))
+                        return
+                    continue
+                yield Build(sent, step)
+                sent += 1
+                due = (retirement is not None and retirement.batch_done()) or due
+        yield PassEnd(pass_no, sent)
+        if one_pass:
+            return
+        pass_no += 1
+        start = ShardPosition(pass_no)
+        if due:
+            yield HandOver(start)
+            return
+
+
+class Retirement:
+    """When a worker should hand its work to a successor (recycling): after
+    ``max_batches`` batches, or once its own memory passes ``max_rss`` (a big forked
+    dataset's pages turn private as Python's refcounts touch them: torch issue 13246)."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.max_batches = workers.max_batches
+        self.max_rss = workers.max_rss
+        self.batches = 0
+
+    def batch_done(self) -> bool:
+        """Count a batch; True when the worker should retire now."""
+        self.batches += 1
+        if self.max_batches is not None and self.batches >= self.max_batches:
+            return True
+        # One read of smaps_rollup a batch: ~0.1-1 ms, against a batch of real work.
+        return self.max_rss is not None and own_memory() > self.max_rss
+
+
+def own_memory() -> int:
+    """Bytes of memory this process holds alone: its private pages (USS).
+
+    Not the RSS, which counts the pages a forked worker still shares with its parent: a
+    worker's RSS starts as large as the parent's. Copy-on-access growth is private pages.
+    """
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            text = f.read()
+    except OSError:  # not Linux: the peak RSS is the best there is
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    total = 0
+    for line in text.splitlines():
+        if line.startswith((b"Private_Clean:", b"Private_Dirty:")):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def seed_everything(seed: int) -> None:
+    """A worker's global RNGs (Python's, torch's, numpy's) seeded for its worker and pass;
+    a Ray actor's process is ours too, so it is seeded the same way."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (1 << 32))
+    except ImportError:
+        pass
+
+
+class Seeding:
+    """A worker's :class:`WorkerInfo` and global RNGs: set once as it starts (before
+    ``worker_init_fn``), then as each pass begins. The first pass keeps what
+    ``worker_init_fn`` seeded; a thread worker never reseeds the process it shares."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self._seeded = spec.seed_for(spec.first_pass)
+        self._set(self._seeded, reseed=True)
+
+    def begin(self, pass_no: int) -> int:
+        """Pass ``pass_no`` begins: its seed, in the worker info and the RNGs."""
+        seed = self.spec.seed_for(pass_no)
+        self._set(seed, reseed=seed != self._seeded)  # not again: worker_init_fn's stays
+        self._seeded = -1
+        return seed
+
+    def _set(self, seed: int, reseed: bool) -> None:
+        spec = self.spec
+        threaded = spec.workers.threaded
+        set_worker_info(WorkerInfo(spec.workers.num_workers, spec.worker_id, seed, spec.rank,
+                                   spec.world_size), dataset=spec.source, thread=threaded)
+        if reseed and not threaded:
+            seed_everything(seed)
+
+
+@dataclass
+class Serving:
+    """A worker once set up: its pipeline, its load stage (entered), its seeding."""
+
+    spec: WorkerSpec
+    pipe: Pipeline
+    stage: LoadStage | None
+    seeding: Seeding
+
+    def passes(self, touch: Touch | None = None) -> AsyncGenerator[Event[Batch | list[Any]], None]:
+        """The stream's passes (batches), or the one pass of instances (in chunks)."""
+        spec, pipe, stage = self.spec, self.pipe, self.stage
+        if spec.plan == "instances":
+            def chunks(start: ShardPosition, seed: int) -> Any:
+                return pipe.chunks(start.start, stage, touch=touch)
+
+            return passes(spec.start(), chunks, self.seeding.begin, one_pass=True)
+
+        def batches(start: ShardPosition, seed: int) -> Any:
+            return pipe.batches(start, seed, stage, touch=touch)
+
+        return passes(spec.start(), batches, self.seeding.begin, Retirement(spec.workers))
+
+
+@contextlib.asynccontextmanager
+async def serving(spec: WorkerSpec, report: Report) -> AsyncIterator[Serving]:
+    """A worker's set-up, for a process, a thread and a Ray actor alike, in torch's order:
+    worker info and seeds, then ``worker_init_fn`` (in every process that serves the spec: a
+    restarted or recycled worker's too), then the pipeline and its load stage, whose skipped
+    keys go to ``report``. An exception here is the worker's, reported like any other."""
+    seeding = Seeding(spec)
+    if spec.workers.init_fn is not None:
+        spec.workers.init_fn(spec.worker_id)
+    pipe = spec.pipeline()
+    async with contextlib.AsyncExitStack() as stack:
+        made = pipe.stage(spec.worker_id, report=report)
+        stage = await stack.enter_async_context(made) if made is not None else None
+        yield Serving(spec, pipe, stage, seeding)
