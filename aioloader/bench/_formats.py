@@ -8,17 +8,21 @@ its workers, anonymous pages summed, the arena counted once).
 
 * ``wds raw``: 2000 samples of a 224x224 JPEG and a label in 16 shards, members as bytes:
   aioloader's ``WebDatasetReader`` against webdataset's ``WebLoader`` over
-  ``WebDataset(...).batched(64)``, both with ``num_workers`` workers.
+  ``WebDataset(...).batched(64)``, MosaicML Streaming's and LitData's ``StreamingDataset`` on
+  the same samples converted to their formats (``_format_peers``), all with ``num_workers``.
 * ``wds jpeg``: the same, decoded to uint8 CHW tensors (``decode=True`` /
-  ``.decode("torchrgb8")``).
+  ``.decode("torchrgb8")`` / the same PIL decode in the others' workers).
 * ``wds http``: the raw shards from a local HTTP object server that answers every request
   after ``LATENCY`` seconds (``aioloader.testing.object_server``): aioloader's ranged reads
   (the next shard opened while one is read) against webdataset's ``curl`` per shard.
+* ``wds s3``: the raw shards (and the MDS folder) on a local S3 (moto) answering after
+  ``LATENCY``, read by ``s3://`` URL: ours by ``storage_options``, WebLoader through fsspec.
 * ``parquet rows``: 40k rows (an id, a label, 16 floats, a short text) in 4 files of row
   groups of 2500 rows, in batches of 256: aioloader's ``ParquetReader`` (rows) and its
   ``batch_rows`` path, against Hugging Face ``datasets`` on the same files, streaming
   (``streaming=True``) and memory-mapped (its Arrow cache, built before the clock starts),
   each with torch's ``DataLoader`` at the same ``num_workers``.
+* ``parquet s3``: the same files on the local S3 with ``LATENCY``: ours and HF streaming.
 
 Peers that are not installed are left out, with a note.
 """
