@@ -214,17 +214,22 @@ def object_server(objects: Mapping[str, bytes] | None = None, *, count: int = 0,
 
 
 @contextlib.contextmanager
-def s3_server() -> Iterator[S3Server]:
+def s3_server(*, latency: float = 0.0) -> Iterator[S3Server]:
     """A moto S3 server in a child process, for as long as the block runs.
+
+    Every request waits ``latency`` seconds before moto answers it (each request has its
+    own thread: requests overlap), as an object store's round trip does.
 
     Examples:
         >>> with s3_server() as s3:  # doctest: +SKIP
         ...     s3.make_bucket("data", {"train/0.bin": b"..."})
         ...     FsspecReader("s3://data/train/*", storage_options=s3.storage_options)
     """
+    if latency < 0:
+        raise ValueError(f"latency must be >= 0, got {latency}")
     env = {"AWS_ACCESS_KEY_ID": CREDENTIALS["key"], "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret"],
            "AWS_DEFAULT_REGION": REGION}
-    with _child("s3", {}, env) as (pid, port):
+    with _child("s3", {"latency": float(latency)}, env) as (pid, port):
         yield S3Server(f"http://127.0.0.1:{port}", pid)
 
 
@@ -435,14 +440,17 @@ async def _truncate(request: web.Request, body: bytes) -> web.StreamResponse:
     return response
 
 
-def _serve_s3() -> None:
+def _serve_s3(config: dict[str, Any]) -> None:
     import threading
 
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
-    server = make_server("127.0.0.1", 0, DomainDispatcherApplication(create_backend_app),
-                         threaded=True)
+    app: Any = DomainDispatcherApplication(create_backend_app)
+    latency: float = config.get("latency", 0.0)
+    if latency:
+        app = _delayed(app, latency)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
     os.environ["MOTO_PORT"] = str(server.server_port)
     thread = threading.Thread(target=server.serve_forever, name="moto", daemon=True)
     thread.start()
@@ -454,6 +462,17 @@ def _serve_s3() -> None:
     server.server_close()
 
 
+def _delayed(app: Any, latency: float) -> Any:
+    """The WSGI ``app`` answering each request ``latency`` seconds late (a simulated round
+    trip: the request's own server thread waits, others go on)."""
+
+    def delayed(environ: dict[str, Any], start_response: Any) -> Any:
+        time.sleep(latency)
+        return app(environ, start_response)
+
+    return delayed
+
+
 def main(argv: list[str]) -> None:
     if argv not in (["objects"], ["s3"]):
         raise SystemExit("usage: python -m aioloader._servers objects|s3 "
@@ -462,7 +481,7 @@ def main(argv: list[str]) -> None:
     if argv == ["objects"]:
         _serve_objects(config)
     else:
-        _serve_s3()
+        _serve_s3(config)
 
 
 if __name__ == "__main__":

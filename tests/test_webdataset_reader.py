@@ -21,6 +21,7 @@ import torch
 import aioloader
 from aioloader.readers import WebDatasetError, WebDatasetReader
 from aioloader.readers import _ranges as ranges_module
+from aioloader.readers._webdataset import parse_header
 from aioloader.testing import object_server, s3_server
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -256,6 +257,50 @@ def test_http_url_reads_in_ranges(shards: Path, monkeypatch: pytest.MonkeyPatch)
                           for k in range(len(chunks))], "8 KiB ranges, in order, from 0"
         assert chunks[-1][1] >= last, "every sample's bytes were asked for"
         assert most[url] <= 3, "at most `ahead` ranges in flight a shard"
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_headers_read_as_tarfile_reads_them(fmt: int) -> None:
+    # parse_header's fast path against TarInfo.frombuf, on every header block a tar holds:
+    # short names, a ustar prefix, a long name (GNU or pax record), a directory, a link,
+    # empty and large members, a size past 8 GiB (base-256 in GNU), a non-ASCII name.
+    buf = io.BytesIO()
+    entries = [("a.cls", 3, tarfile.REGTYPE), ("d" * 90 + "/" + "k" * 60 + ".jpg", 700, None),
+               ("x/" + "n" * 150 + ".json", 1, None), ("dir", 0, tarfile.DIRTYPE),
+               ("link.txt", 0, tarfile.SYMTYPE), ("empty.txt", 0, None),
+               ("été/clé.txt", 512, None)]
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        if fmt == tarfile.USTAR_FORMAT:  # a name past prefix + name has no ustar header
+            entries = [e for e in entries if len(e[0]) < 150]
+        for name, size, kind in entries:
+            info = tarfile.TarInfo(name)
+            info.size = size
+            info.type = kind or tarfile.REGTYPE
+            if kind == tarfile.SYMTYPE:
+                info.linkname = "a.cls"
+            tar.addfile(info, io.BytesIO(b"z" * size) if info.isreg() else None)
+        if fmt == tarfile.GNU_FORMAT:
+            huge = tarfile.TarInfo("huge.bin")
+            huge.size = 9 << 30
+            block = huge.tobuf(fmt, "utf-8", "surrogateescape")
+            buf.write(block[:tarfile.BLOCKSIZE])
+    data = buf.getvalue()
+    seen = 0
+    for at in range(0, len(data), tarfile.BLOCKSIZE):
+        block = data[at:at + tarfile.BLOCKSIZE]
+        try:
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError:  # data or end-of-archive blocks: parse_header raises too
+            with pytest.raises(tarfile.HeaderError):
+                parse_header(block)
+            continue
+        assert parse_header(block) == (info.name, info.size, info.type)
+        seen += 1
+    assert seen >= len(entries)
+    bad = bytearray(data[:tarfile.BLOCKSIZE])
+    bad[0] ^= 1  # the checksum no longer matches
+    with pytest.raises(tarfile.HeaderError):
+        parse_header(bytes(bad))
 
 
 def _damaged(tmp_path: Path, how: str) -> tuple[Path, str]:

@@ -8,17 +8,21 @@ its workers, anonymous pages summed, the arena counted once).
 
 * ``wds raw``: 2000 samples of a 224x224 JPEG and a label in 16 shards, members as bytes:
   aioloader's ``WebDatasetReader`` against webdataset's ``WebLoader`` over
-  ``WebDataset(...).batched(64)``, both with ``num_workers`` workers.
+  ``WebDataset(...).batched(64)``, MosaicML Streaming's and LitData's ``StreamingDataset`` on
+  the same samples converted to their formats (``_format_peers``), all with ``num_workers``.
 * ``wds jpeg``: the same, decoded to uint8 CHW tensors (``decode=True`` /
-  ``.decode("torchrgb8")``).
+  ``.decode("torchrgb8")`` / the same PIL decode in the others' workers).
 * ``wds http``: the raw shards from a local HTTP object server that answers every request
   after ``LATENCY`` seconds (``aioloader.testing.object_server``): aioloader's ranged reads
   (the next shard opened while one is read) against webdataset's ``curl`` per shard.
+* ``wds s3``: the raw shards (and the MDS folder) on a local S3 (moto) answering after
+  ``LATENCY``, read by ``s3://`` URL: ours by ``storage_options``, WebLoader through fsspec.
 * ``parquet rows``: 40k rows (an id, a label, 16 floats, a short text) in 4 files of row
   groups of 2500 rows, in batches of 256: aioloader's ``ParquetReader`` (rows) and its
   ``batch_rows`` path, against Hugging Face ``datasets`` on the same files, streaming
   (``streaming=True``) and memory-mapped (its Arrow cache, built before the clock starts),
   each with torch's ``DataLoader`` at the same ``num_workers``.
+* ``parquet s3``: the same files on the local S3 with ``LATENCY``: ours and HF streaming.
 
 Peers that are not installed are left out, with a note.
 """
@@ -37,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from . import _format_peers
 from ._footprint import Footprint
 from ._runner import MeasurementError, isolated_call
 from ._workloads import encoded_jpegs
@@ -48,7 +53,8 @@ QUICK_SHARDS, QUICK_PER_SHARD = 4, 100
 FILES, ROWS, ROW_GROUP = 4, 10_000, 2_500
 QUICK_ROWS = 2_500
 WDS_BATCH, ROW_BATCH = 64, 256
-LATENCY = 0.020  # seconds, per request of the wds http workload
+LATENCY = 0.020  # seconds, per request of the http and s3 workloads
+BUCKET = "formats"  # on the local S3: every file of the data folder, by its relative path
 
 
 def write_data(folder: str, quick: bool) -> Result:
@@ -123,72 +129,90 @@ def _aioloader(kind: str, data: Result, workers: int) -> Result:
     import aioloader
     from aioloader.readers import ParquetReader, WebDatasetReader, prebatched
 
+    s3 = "s3" in kind
+    options = data["s3"] if s3 else None
     if kind.startswith("wds"):
-        reader: Any = WebDatasetReader(data["http"] if kind == "wds http" else data["urls"],
-                                       decode=kind == "wds jpeg" or None)
+        reader: Any = WebDatasetReader(_shards(kind, data), decode=kind == "wds jpeg" or None,
+                                       storage_options=options)
         loader: aioloader.DataLoader[Any] = aioloader.DataLoader(
             reader, batch_size=WDS_BATCH, num_workers=workers,
             max_instances_in_memory=WDS_BATCH * 8, quiet=True)
-    elif kind == "parquet batches":
-        reader = ParquetReader(data["files"], batch_rows=ROW_BATCH)
+    elif kind.endswith("batches"):
+        reader = ParquetReader(data["s3_files"] if s3 else data["files"], batch_rows=ROW_BATCH,
+                               storage_options=options)
         loader = aioloader.DataLoader(reader, batch_size=1, collate_fn=prebatched,
                                       num_workers=workers, max_instances_in_memory=8,
                                       quiet=True)
     else:
-        loader = aioloader.DataLoader(ParquetReader(data["files"]), batch_size=ROW_BATCH,
+        reader = ParquetReader(data["s3_files"] if s3 else data["files"],
+                               storage_options=options)
+        loader = aioloader.DataLoader(reader, batch_size=ROW_BATCH,
                                       num_workers=workers,
                                       max_instances_in_memory=ROW_BATCH * 8, quiet=True)
     with loader:
         return _timed(loader)
 
 
+def _shards(kind: str, data: Result) -> str:
+    """The shards' brace pattern: local, on the HTTP server or on S3."""
+    return str(data["http"] if kind == "wds http" else data["s3_urls"] if kind == "wds s3"
+               else data["urls"])
+
+
 def _webdataset(kind: str, data: Result, workers: int) -> Result:
-    import webdataset
-
-    pipeline = webdataset.WebDataset(data["http"] if kind == "wds http" else data["urls"],
-                                     shardshuffle=False,
-                                     nodesplitter=webdataset.split_by_node)
-    if kind == "wds jpeg":
-        pipeline = pipeline.decode("torchrgb8").to_tuple("jpg", "cls")
-    loader = webdataset.WebLoader(pipeline.batched(WDS_BATCH), batch_size=None,
-                                  num_workers=workers)
-    return _timed(loader)
+    return _format_peers.webdataset_run(_shards(kind, data), kind == "wds jpeg", workers, _timed,
+                                        data["s3"] if kind == "wds s3" else None)
 
 
-def _hf(kind: str, data: Result, workers: int, cache: str) -> Result:
-    import datasets
-    import torch
+def _mds(kind: str, data: Result, workers: int) -> Result:
+    if kind == "wds s3":  # downloaded into an empty folder as it reads, as on a fresh node
+        os.environ.update(data["s3_env"])  # its S3 endpoint is read from the environment
+        local = tempfile.mkdtemp(prefix="mds-", dir=data["folder"])
+        return _format_peers.mds_run(local, f"s3://{BUCKET}/mds", False, workers, _timed)
+    return _format_peers.mds_run(data["converted"]["mds"], None, kind == "wds jpeg", workers,
+                                 _timed)
 
-    datasets.disable_progress_bars()
-    streaming = kind == "hf streaming"
-    ds = datasets.load_dataset("parquet", data_files=data["files"], split="train",
-                               streaming=streaming, cache_dir=cache)
-    if not streaming:  # Arrow to tensors per batch; a stream's rows collate as Python values
-        ds = ds.with_format("torch")
-    loader = torch.utils.data.DataLoader(ds, batch_size=ROW_BATCH, num_workers=workers)
-    return _timed(loader)
+
+def _litdata(kind: str, data: Result, workers: int) -> Result:
+    return _format_peers.litdata_run(data["converted"]["litdata"], kind == "wds jpeg", workers,
+                                     _timed)
+
+
+def _hf(kind: str, data: Result, workers: int) -> Result:
+    s3 = kind == "hf s3"
+    return _format_peers.hf_run(data["s3_files"] if s3 else data["files"],
+                                kind != "hf mmap", workers, ROW_BATCH, data["cache"], _timed,
+                                data["s3"] if s3 else None)
 
 
 # (row name, workload, the function that runs it)
 def configurations(quick: bool) -> list[tuple[str, str, Callable[..., Result]]]:
     out: list[tuple[str, str, Callable[..., Result]]] = []
-    have_wds = importlib.util.find_spec("webdataset") is not None
-    have_hf = importlib.util.find_spec("datasets") is not None
-    for kind in ("wds raw", "wds jpeg", "wds http"):
+    have = _format_peers.installed
+    for kind in ("wds raw", "wds jpeg", "wds http", "wds s3"):
         out.append(("aioloader", kind, _aioloader))
-        if have_wds:
+        if have("webdataset"):
             out.append(("webdataset WebLoader", kind, _webdataset))
+        if kind == "wds http":
+            continue  # plain HTTP: MDS and LitData read from object stores
+        if have("mosaicml-streaming"):
+            out.append(("mosaicml-streaming StreamingDataset", kind, _mds))
+        if have("litdata") and kind != "wds s3":  # see _format_peers.missing
+            out.append(("litdata StreamingDataset", kind, _litdata))
     out.append(("aioloader rows", "parquet rows", _aioloader))
     out.append(("aioloader batch_rows", "parquet batches", _aioloader))
-    if have_hf:
+    if have("datasets"):
         out.append(("hf datasets streaming", "hf streaming", _hf))
         out.append(("hf datasets mmap", "hf mmap", _hf))
+    out.append(("aioloader rows", "parquet s3 rows", _aioloader))
+    out.append(("aioloader batch_rows", "parquet s3 batches", _aioloader))
+    if have("datasets"):
+        out.append(("hf datasets streaming", "hf s3", _hf))
     return out
 
 
 def missing_peers() -> list[str]:
-    return [f"{name} is not installed: its rows are left out" for name in ("webdataset",
-            "datasets") if importlib.util.find_spec(name) is None]
+    return _format_peers.missing()
 
 
 def run_formats(workers: int, pairs: int, quick: bool, timeout: float,
@@ -200,28 +224,51 @@ def run_formats(workers: int, pairs: int, quick: bool, timeout: float,
     with contextlib.ExitStack() as stack:
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="aioloader-formats-"))
         data = write_data(folder, quick)
+        data["folder"] = folder
+        # in a child: litdata.optimize sets the start method (spawn) of the process it runs in
+        data["converted"] = isolated_call(_format_peers.convert, (folder, data["samples"]),
+                                          timeout, "the MDS and LitData conversions")
         data["http"] = stack.enter_context(served_shards(folder, data["shards"]))
-        cache = os.path.join(folder, "hf-cache")
+        data.update(stack.enter_context(s3_data(folder, data)))
+        data["cache"] = os.path.join(folder, "hf-cache")
         configs = configurations(quick)
         if any(kind == "hf mmap" for _, kind, _fn in configs):
-            # HF converts Parquet to its Arrow cache on first load: done here, off the clock
-            isolated_call(_hf_prepare, (data, cache), timeout, "hf datasets cache")
+            isolated_call(_format_peers.hf_prepare, (data["files"], data["cache"]), timeout,
+                          "hf datasets cache")
         for pair in range(pairs):
             order = configs if pair % 2 == 0 else list(reversed(configs))
             for name, kind, fn in order:
-                args = (kind, data, workers, cache) if fn is _hf else (kind, data, workers)
-                result = isolated_call(fn, args, timeout, f"{FORMATS}/{kind}/{name}")
+                result = isolated_call(fn, (kind, data, workers), timeout,
+                                       f"{FORMATS}/{kind}/{name}")
                 runs.setdefault(f"{kind}|{name}", []).append(result)
                 note(f"{kind} {name}: {result['per_s']:,.0f}/s, {result['mem_mb']:.0f} MB")
     return {"data": {"samples": data["samples"], "rows": data["rows"]}, "runs": runs}
 
 
-def _hf_prepare(data: Result, cache: str) -> Result:
-    import datasets
+@contextlib.contextmanager
+def s3_data(folder: str, data: Result) -> Iterator[Result]:
+    """Everything in ``folder`` (shards, Parquet files, MDS and LitData folders) on a local S3
+    that answers every request after ``LATENCY``: the URLs and each client's options."""
+    from aioloader.testing import s3_server
 
-    datasets.disable_progress_bars()
-    datasets.load_dataset("parquet", data_files=data["files"], split="train", cache_dir=cache)
-    return {}
+    objects = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            key = os.path.relpath(path, folder)
+            if not key.startswith("hf-cache") and not name.endswith(".lock"):
+                with open(path, "rb") as f:
+                    objects[key] = f.read()
+    with s3_server(latency=LATENCY) as s3:
+        s3.make_bucket(BUCKET, objects)
+        options = s3.storage_options
+        yield {"s3": options,
+               "s3_urls": f"s3://{BUCKET}/shard-{{000000..{data['shards'] - 1:06d}}}.tar",
+               "s3_files": [f"s3://{BUCKET}/{os.path.basename(p)}" for p in data["files"]],
+               "s3_env": {"S3_ENDPOINT_URL": s3.endpoint_url,
+                          "AWS_ACCESS_KEY_ID": options["key"],
+                          "AWS_SECRET_ACCESS_KEY": options["secret"],
+                          "AWS_DEFAULT_REGION": options["client_kwargs"]["region_name"]}}
 
 
 def summary_rows(raw: Result) -> list[Result]:
@@ -236,6 +283,8 @@ def summary_rows(raw: Result) -> list[Result]:
 
 
 def _group(kind: str) -> str:
+    if kind in ("parquet s3 rows", "parquet s3 batches", "hf s3"):
+        return "parquet s3"
     return "parquet" if kind.startswith(("parquet", "hf")) else kind
 
 
