@@ -478,3 +478,52 @@ def test_the_last_batch_of_an_epoch_is_freed_when_the_user_drops_it(num_workers,
     finally:
         gc.enable()
         loader.close()
+
+
+FORKED_CHILD = """
+import asyncio, multiprocessing, sys
+import aioloader
+
+def epoch(face):
+    loader = aioloader.DataLoader(list(range(10)), batch_size=4, num_workers=2, quiet=True)
+    with loader:
+        if face == "sync":
+            return [b.tolist() for b in loader]
+        async def consume():
+            return [b.tolist() async for b in loader]
+        return asyncio.run(consume())
+
+def child(face, out):
+    out.put(epoch(face))
+
+if __name__ == "__main__":
+    parents = aioloader.DataLoader(list(range(10)), batch_size=4, num_workers=2, quiet=True)
+    assert len(list(parents)) == 3
+    if sys.argv[1] == "closed":
+        parents.close()
+    ctx = multiprocessing.get_context("fork")
+    for face in ("sync", "async"):
+        out = ctx.Queue()
+        p = ctx.Process(target=child, args=(face, out))
+        p.start()
+        print(face, out.get(timeout=60), flush=True)
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+    parents.close()
+"""
+
+
+@pytest.mark.parametrize("parents", ["closed", "alive"])
+def test_a_forked_child_makes_its_own_loader_after_its_parent_used_one(parents, tmp_path):
+    """A training script that forks (multiprocessing's default on Linux) after it used a
+    loader: the child's own loader starts its workers. The starter thread was inherited as
+    an executor without its thread: the child waited forever for its first batch."""
+    import subprocess
+
+    script = tmp_path / "forks.py"
+    script.write_text(FORKED_CHILD)
+    out = subprocess.run([sys.executable, str(script), parents], capture_output=True,
+                         text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stderr
+    want = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert out.stdout.splitlines() == [f"sync {want}", f"async {want}"]

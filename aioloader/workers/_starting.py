@@ -27,12 +27,13 @@ import multiprocessing.process
 import os
 import socket
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import torch.multiprocessing
 
@@ -40,7 +41,35 @@ from .._errors import UNGUARDED_MAIN, UNGUARDED_MAIN_EXIT
 from ._spec import WorkerSpec
 from ._worker import forking, worker_main
 
-STARTER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloader-start")
+T = TypeVar("T")
+
+
+class _Starter:
+    """The starter thread (one a process, started on first use) as an executor.
+
+    A forked child has none of its parent's threads, but would inherit an executor that
+    believes its thread idle and queues every call for it: the first loader a child made
+    after its parent had used one waited forever for its workers. A child starts its own.
+    """
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget_in_child)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> concurrent.futures.Future[T]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="aioloader-start")
+            return self._pool.submit(fn, *args)
+
+    def _forget_in_child(self) -> None:
+        self._pool = None  # (its thread is not here; the parent still runs it)
+        self._lock = threading.Lock()
+
+
+STARTER = _Starter()
 
 EXIT_GRACE = 1.0  # seconds a process told to go (EOF) gets before SIGTERM, where no one says
 KILL_AFTER = 1.0  # seconds from SIGTERM to SIGKILL (a thread: to giving up on it)
