@@ -92,3 +92,16 @@ def test_a_dead_workers_error_is_rebuilt_from_its_message_as_torchs() -> None:
         assert "(pid 12)" in str(rebuilt)
         with pytest.raises(type(error)):
             wrapped.reraise()
+
+
+@pytest.mark.parametrize("batch_size", [None, 3])
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
+def test_a_datapipes_sharding_filter_splits_it_between_workers_as_torchs(
+        num_workers: int, batch_size: int | None) -> None:
+    # torch's workers apply the datapipe's sharding; ours read it whole in every worker,
+    # each instance num_workers times
+    theirs, ours = (
+        _run(loader(IterableWrapper(list(range(10))).sharding_filter(), batch_size=batch_size,
+                    num_workers=num_workers))
+        for loader in LOADERS)
+    assert ours == theirs
