@@ -15,6 +15,8 @@ from typing import Any, Generic, TypeVar, overload
 
 import torch
 import torch.utils.data
+from torch.utils.data import IterDataPipe
+from torch.utils.data.graph_settings import apply_shuffle_settings
 
 from ._errors import FixedOptionError
 from ._options import check_each, check_load_rules, check_rules
@@ -195,6 +197,12 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     kind = classify(reader)
     a = check_each(kind, data_path, arguments)
     check_rules(kind, data_path, a)
+    if isinstance(reader, IterDataPipe):
+        # torch hands shuffle to a datapipe's own Shuffler nodes and streams the datapipe;
+        # it is never read into memory to be shuffled whole (test_dataloader.py's
+        # test_multiprocessing_iterdatapipe)
+        reader = apply_shuffle_settings(reader, shuffle=arguments["shuffle"])
+        a["shuffle"] = False
     loads = load_options(reader, kind, load_fn=a["load_fn"], concurrency=a["concurrency"],
                          ordered=a["ordered"], retries=a["retries"], on_error=a["on_error"])
     check_load_rules(kind, loads, a)

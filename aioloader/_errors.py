@@ -139,12 +139,18 @@ class WorkerDied(WorkerError, RuntimeError):
     def deaths(self) -> list[WorkerDied]:
         return [*self.earlier, self]
 
-    def __init__(self, worker_id: int, pid: int | None, exitcode: int | None,
-                 context: str = "", *, earlier: list[WorkerDied] | None = None,
-                 hung: float | None = None) -> None:
+    def __init__(self, worker_id: int | str, pid: int | None = None,
+                 exitcode: int | None = None, context: str = "", *,
+                 earlier: list[WorkerDied] | None = None, hung: float | None = None) -> None:
         self.exitcode = exitcode
         self.earlier = earlier if earlier is not None else []  # deaths that were healed
         self.hung = hung
+        if isinstance(worker_id, str):
+            # WorkerDied(message): rebuilt from its message alone, as torch's ExceptionWrapper
+            # and `type(err)(str(err))` rebuild a RuntimeError (test_dataloader.py's
+            # test_segfault did, and got a TypeError)
+            super().__init__(worker_id)
+            return
         what = (f"hung (no word for {hung:.1f} s while a batch was owed) and was killed"
                 if hung is not None else f"died unexpectedly: {describe_exit(exitcode)}")
         super().__init__(f"worker {worker_id} (pid {pid}) {what}"

@@ -41,8 +41,7 @@ def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[st
     a["batch_size"] = _optional_int("batch_size", a["batch_size"], "a positive int or None",
                                     least=1)
     _flag("drop_last", a["drop_last"])
-    a["shuffle"] = (False if a["shuffle"] is None
-                    else _flag("shuffle", a["shuffle"], "True, False or None"))
+    a["shuffle"] = _shuffle(a["shuffle"])
     _batch_sampler(a["batch_sampler"])
     a["batches_per_epoch"] = _optional_int("batches_per_epoch", a["batches_per_epoch"],
                                            "a positive int or None", least=1)
@@ -217,6 +216,16 @@ def _flag(name: str, value: Any, what: str = "True or False") -> bool:
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
     return value
+
+
+def _shuffle(value: Any) -> bool:
+    """torch's ``shuffle``: None is False, and an int counts by its truth (torch tests
+    ``if shuffle:``, so ``shuffle=1`` shuffles and ``shuffle=3`` meets its sampler rules)."""
+    if value is None:
+        return False
+    if _int_like(value):
+        return bool(operator.index(value))
+    return _flag("shuffle", value, "True, False, None or an int (its truth)")
 
 
 def _seconds(name: str, value: Any, what: str) -> None:

@@ -17,6 +17,11 @@ from collections.abc import (
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch.utils.data
+from torch.utils.data import IterDataPipe
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torch.utils.data.graph_settings import apply_sharding
+
+from .._info import get_worker_info, in_worker_process
 
 T = TypeVar("T")
 
@@ -74,6 +79,8 @@ def classify(source: Any) -> Kind:
 def open_pass(source: Any, kind: Kind, data_path: Any) -> Iterable[Any] | AsyncIterable[Any]:
     """The instances of one pass over a streaming source."""
     if kind is Kind.ITERABLE:
+        if isinstance(source, IterDataPipe):
+            _shard_datapipe(source)
         it: Iterable[Any] = iter(source)
         return it
     stream: Iterable[Any] | AsyncIterable[Any] = source.read(data_path)
@@ -93,6 +100,14 @@ def is_stateful(source: Any) -> bool:
     return callable(getattr(source, "state_dict", None)) and callable(
         getattr(source, "load_state_dict", None))
 
+
+def _shard_datapipe(source: IterDataPipe[Any]) -> None:
+    """torch's worker loop: a datapipe's ``sharding_filter`` keeps this worker's share.
+    Without it every worker read the whole datapipe, each instance ``num_workers`` times
+    (torch's test_dataloader.py, test_shuffler_iterdatapipe)."""
+    info = get_worker_info()
+    if info is not None and info.num_workers > 1 and in_worker_process():
+        apply_sharding(source, info.num_workers, info.id, SHARDING_PRIORITIES.MULTIPROCESSING)
 
 
 def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int,
