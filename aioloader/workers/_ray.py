@@ -55,7 +55,7 @@ from ..pipeline._loads import SkipLog, SkippedLoad
 from ..plane import _wire as wire
 from ..plans._position import ShardPosition
 from ._phases import Phase, RestartBudget, WorkerState
-from ._ray_actor import Hello, PassOver, Raised, RayWorker, Reply, Retire
+from ._ray_actor import Hello, PassOver, RayWorker, Reply, Retire
 from ._ray_cluster import (
     connect,
     first_reply,
@@ -255,7 +255,7 @@ class RaySupervisor(Supervising[ActorLink]):
         """``w``'s ``reply``, as the Roster's message."""
         for s in getattr(reply, "skipped", ()):
             self.skips.add(SkippedLoad(s.key, w.id, s.attempts, s.error))
-        if isinstance(reply, Raised):
+        if isinstance(reply, wire.Failed):
             self.roster.on_message(w, rebuilt_error(self._named(w), reply, worker_id=w.id,
                                                     pid=w.link.pid))
             return

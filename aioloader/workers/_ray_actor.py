@@ -48,9 +48,10 @@ import torch
 
 from ..pipeline._loads import ALL_SKIPPED, LoadStage, SkippedLoad
 from ..pipeline._pipeline import Batch
+from ..plane import _wire as wire
 from ..plane._codec import tensors_nbytes
 from ..plans._position import ShardPosition
-from ._failures import pickled_error, traceback_text
+from ._failures import described
 from ._passes import Build, PassEnd, Retirement, Serving, serving
 from ._spec import WorkerSpec
 
@@ -90,16 +91,7 @@ class Retire:
     skipped: tuple[SkippedLoad, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Raised:
-    """The worker's exception: its repr, its traceback, itself when it pickles."""
-
-    error_repr: str
-    traceback: str
-    pickled: bytes | None
-
-
-Reply = Built | PassOver | Retire | Raised
+Reply = Built | PassOver | Retire | wire.Failed  # (the worker's exception, as a process's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +139,8 @@ def tensor_in(data: tuple[Any, ...]) -> torch.Tensor:
     return t.requires_grad_() if grad else t
 
 
-def _raised(exc: BaseException) -> Raised:
-    return Raised(repr(exc), traceback_text(exc), pickled_error(exc))
+def _raised(exc: BaseException) -> wire.Failed:
+    return wire.Failed(*described(exc, None))
 
 
 @dataclass
@@ -178,7 +170,7 @@ class RayWorker:
         self.turn = 0  # the number of the call whose turn it is
         self.begun = 0  # index calls whose loads have started (they start in call order)
         self.skipped: list[SkippedLoad] = []
-        self.failure: Raised | None = None
+        self.failure: wire.Failed | None = None
         self.stack = contextlib.AsyncExitStack()  # the set-up's: left with the process
         self.serving: Serving | None = None
         self.retirement = Retirement(spec.workers)  # index batches' (a stream's: its passes')

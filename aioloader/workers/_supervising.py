@@ -17,7 +17,7 @@ import logging
 import pickle
 import time
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .._errors import WorkerError, worker_error_for
 from .._stats import WorkerStats
@@ -305,18 +305,7 @@ def worker_stats(w: WorkerState[Any], pid: int | None, node: str | None = None) 
                        min(w.busy / alive, 1.0) if w.batches else 0.0, node=node)
 
 
-class Told(Protocol):
-    """A worker's exception as it travels (``wire.Failed``, a Ray actor's ``Raised``)."""
-
-    @property
-    def error_repr(self) -> str: ...
-    @property
-    def traceback(self) -> str: ...
-    @property
-    def pickled(self) -> bytes | None: ...
-
-
-def rebuilt_error(who: str, told: Told, original: object = None, *,
+def rebuilt_error(who: str, told: wire.Failed | wire.BatchFailed, original: object = None, *,
                   worker_id: int, pid: int | None) -> WorkerError:
     """A worker's exception as the consumer sees it: a WorkerError that is also of the
     original's type where possible (``except KeyError:`` still works, as with torch), the
