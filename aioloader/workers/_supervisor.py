@@ -89,26 +89,21 @@ class Supervisor(Supervising[Link]):
         self._retired: list[Worker] = []  # replaced processes, reaped at the end
         self.standby = standby  # spawn: the loader's warm processes, for the first start
         self._standbys: list[Standby] = []  # taken from it and not used yet
-        # (worker id, its last word, ns it had waited for a CPU) when the consumer's wait
+        # (worker id, its last word, ns it had waited for a CPU, when) the consumer's wait
         # for it began: what it waits for a CPU after that is the machine's load, not its
         # silence (heal)
-        # (worker, its last word, its CPU wait then, when the consumer began to wait for it)
         self._queued: tuple[int, float, int | None, float] | None = None
 
     # ------------------------------------------------------------------ start
 
-    def check_picklable(self) -> None:
-        """With spawn/forkserver the spec travels pickled: fail before starting anything."""
-        if self.start_method == "fork" or self.spec.workers.threaded:
-            return
-        check_picklable(self.spec.parts(), self.start_method)
-
     async def _prepare(self) -> None:
         """With the loader's standby processes (spawn), the first start takes them all;
-        those it does not use are reaped with the workers."""
+        those it does not use are reaped with the workers. With spawn or forkserver the
+        spec travels pickled: it fails here, before anything starts, if it cannot."""
         if self.standby is not None:
             self._standbys = self.standby.take_all()
-        self.check_picklable()
+        if self.start_method != "fork" and not self.spec.workers.threaded:
+            check_picklable(self.spec.parts(), self.start_method)
 
     def _first(self, worker_id: int) -> Worker:
         standby = self._standbys[0] if self._standbys else None
