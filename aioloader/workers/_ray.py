@@ -345,12 +345,6 @@ class RaySupervisor(Supervising[ActorLink]):
 
     # ------------------------------------------------------------------ watch, report
 
-    def attach(self) -> None:
-        """Nothing to watch: an awaited ObjectRef wakes whichever loop awaits it."""
-
-    def detach(self) -> None:
-        pass
-
     def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
         """Each worker's telemetry (its node too); no arena: batches go through Ray."""
         workers = tuple(

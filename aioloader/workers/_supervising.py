@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .._errors import WorkerError, worker_error_for
-from .._stats import WorkerStats
+from .._stats import ArenaStats, WorkerStats
 from ..pipeline._loads import SkipLog
 from ..plane import _wire as wire
 from ..plans._position import ShardPosition
@@ -153,8 +153,23 @@ class Supervising(Generic[L]):
         """'worker 2 (pid 123)': ``w`` in a message."""
         raise NotImplementedError
 
+    def attach(self) -> None:
+        """Watch the workers on the running loop, while an epoch runs (Ray: nothing to
+        watch, an awaited ObjectRef wakes whichever loop awaits it)."""
+
+    def detach(self) -> None:
+        """Stop watching them: the epoch is over (the workers may stay for the next)."""
+
+    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
+        """Each worker's telemetry, and the arenas'; plain reads."""
+        raise NotImplementedError
+
     async def aclose(self, grace: float) -> None:
         """Stop every worker and wait for it, without blocking the loop."""
+        raise NotImplementedError
+
+    def close(self, grace: float) -> None:
+        """Blocking version of :meth:`aclose`."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ start, ask, fail
