@@ -11,6 +11,7 @@ batch and sending it are the caller's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -195,6 +196,13 @@ class Serving:
             return pipe.batches(start, seed, stage, touch=touch)
 
         return passes(spec.start(), batches, self.seeding.begin, Retirement(spec.workers))
+
+    def making(self, built: Batch | list[Any]) -> tuple[Callable[[], Any], Any]:
+        """How a :class:`Build`'s batch becomes the value sent, and its mark: a batch is
+        collated, a chunk of instances goes as it is (no mark)."""
+        if isinstance(built, Batch):
+            return functools.partial(self.pipe.collate, built.items), built.mark
+        return lambda: built, None
 
 
 @contextlib.asynccontextmanager

@@ -287,18 +287,14 @@ class RayWorker:
         """The worker's passes (:func:`~aioloader.workers._passes.passes`) as replies; the
         stream ends after a hand-over, or after the one pass of instances."""
         assert self.serving is not None
-        pipe = self.serving.pipe
         async with contextlib.aclosing(self.serving.passes()) as events:
             async for event in events:
                 if isinstance(event, Build):
-                    step = event.batch
-                    if isinstance(step, Batch):
-                        value = pipe.collate(step.items)
-                        yield Built(event.seq, step.mark, value, tensors_nbytes(value),
-                                    self.clock.busy, skipped=self._taken_skips())
-                    else:  # a chunk of instances, as it is
-                        yield Built(event.seq, None, step, 0, self.clock.busy,
-                                    skipped=self._taken_skips())
+                    make, mark = self.serving.making(event.batch)
+                    value = make()  # (a chunk of instances: no tensor bytes counted)
+                    nbytes = tensors_nbytes(value) if isinstance(event.batch, Batch) else 0
+                    yield Built(event.seq, mark, value, nbytes, self.clock.busy,
+                                skipped=self._taken_skips())
                 elif isinstance(event, PassEnd):
                     yield PassOver(event.pass_no, event.batches, self.clock.busy,
                                    self._taken_skips())

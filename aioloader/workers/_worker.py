@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..pipeline._loads import ALL_SKIPPED, SKIP_REPORT, LoadStage, SkippedLoad
-from ..pipeline._pipeline import Batch, InOrder, Pipeline
+from ..pipeline._pipeline import InOrder, Pipeline
 from ..pipeline._stacking import route_torch_collate_into_arena
 from ..plane import _wire as wire
 from ..plane._dataplane import Shelf
@@ -234,16 +234,10 @@ async def _run_stream(worker: Serving, chan: Channel) -> None:
     batch built into a slot, each pass end in a slot of its own (bounded, even when the
     pass was empty), a hand-over as the successor's position; until the parent stops us."""
     touch = chan.progress if worker.spec.workers.progress else None
-    pipe = worker.pipe
     async with contextlib.aclosing(worker.passes(touch)) as events:
         async for event in events:
             if isinstance(event, Build):
-                step = event.batch
-                if isinstance(step, Batch):
-                    made = await chan.emit(event.seq, _collated(pipe, step.items), step.mark)
-                else:  # a chunk of instances, as it is
-                    made = await chan.emit(event.seq, _given(step))
-                if not made:
+                if not await chan.emit(event.seq, *worker.making(event.batch)):
                     return
             elif isinstance(event, PassEnd):
                 slot = await chan.slot()
