@@ -21,7 +21,7 @@ import torch
 
 from .._config import Workers
 from .._info import WorkerInfo, set_worker_info
-from ..pipeline._loads import LoadStage, Report
+from ..pipeline._loads import ALL_SKIPPED, LoadStage, Report
 from ..pipeline._pipeline import Batch, Boundary, Pipeline, Touch, each
 from ..plans._position import ShardPosition
 from ..plans._sources import Unhooked
@@ -203,6 +203,15 @@ class Serving:
         if isinstance(built, Batch):
             return functools.partial(self.pipe.collate, built.items), built.mark
         return lambda: built, None
+
+    def answering(self, items: list[Any],
+                  indices: list[Any] | None = None) -> tuple[Callable[[], Any], Any]:
+        """How an index task's fetched ``items`` become its answer, and its mark: collated;
+        with a load stage, a batch whose every key was skipped (and reported) is an empty
+        answer, :data:`ALL_SKIPPED`, which the parent passes over."""
+        if items or self.stage is None:
+            return functools.partial(self.pipe.collate, items, indices), None
+        return lambda: None, ALL_SKIPPED
 
 
 @contextlib.asynccontextmanager

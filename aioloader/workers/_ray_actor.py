@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..pipeline._loads import ALL_SKIPPED, LoadStage, SkippedLoad
+from ..pipeline._loads import LoadStage, SkippedLoad
 from ..pipeline._pipeline import Batch
 from ..plane import _wire as wire
 from ..plane._codec import tensors_nbytes
@@ -246,9 +246,8 @@ class RayWorker:
         began = time.monotonic()
         try:
             items = loading.result() if loading is not None else pipe.fetch(indices)
-            # Every key of the batch skipped: an empty answer, which the parent passes over.
-            value = pipe.collate(items) if items or self.stage is None else None
-            mark = None if value is not None or self.stage is None else ALL_SKIPPED
+            make, mark = self.serving.answering(items)
+            value = make()
             retire = self.retirement.batch_done()
         except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
             self.failure = _raised(exc)
