@@ -15,11 +15,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from aioloader._errors import LoaderClosedError, WorkerDied  # noqa: E402
+from aioloader.plane import _wire as wire  # noqa: E402
 from aioloader.plans._position import ShardPosition  # noqa: E402
 from aioloader.workers import _ray, _ray_cluster  # noqa: E402
 from aioloader.workers._phases import Phase, RestartBudget, WorkerLost  # noqa: E402
 from aioloader.workers._ray import RaySupervisor  # noqa: E402
-from aioloader.workers._ray_actor import Built, Hello, PassOver, Raised, Retire  # noqa: E402
+from aioloader.workers._ray_actor import Built, Hello, PassOver, Retire  # noqa: E402
 from aioloader.workers._supervising import Ended, Received  # noqa: E402
 
 pytestmark = pytest.mark.deadline(30)
@@ -188,7 +189,7 @@ async def test_a_stream_hands_over_at_its_retire_and_its_error_comes_in_turn(
     new.asked("next")[0][1].answer(PassOver(0, 1, 0.1))
     assert await receiving == Ended(0)
     assert old.killed and sup.workers[0].link.handle is new
-    new.asked("next")[1][1].answer(Raised("KeyError('k')", "Traceback: ...", None))
+    new.asked("next")[1][1].answer(wire.Failed("KeyError('k')", "Traceback: ...", None))
     with pytest.raises(Exception, match="raised KeyError") as caught:
         await sup.receive(0)
     assert sup.failure is caught.value

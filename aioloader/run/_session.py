@@ -35,8 +35,6 @@ T = TypeVar("T")
 GRACE = 1.0  # seconds a worker gets to exit on EOF before SIGTERM, then as long to SIGKILL
 
 
-
-
 class Producer(Protocol):
     """What a session drives: started once, stepped, attached per epoch, closed once."""
 

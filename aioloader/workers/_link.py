@@ -7,9 +7,7 @@ consumer's; the supervisor (aioloader/workers/_supervisor.py) decides when.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
-import pickle
 import socket
 from dataclasses import dataclass, field
 from typing import TypeAlias, overload
@@ -114,9 +112,6 @@ def worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError 
     if isinstance(ledger, RefLedger):
         original = (ledger.shelf.error if isinstance(msg, wire.Failed)
                     else ledger.shelf.errors.pop(msg.seq, None))
-    elif msg.pickled is not None:
-        with contextlib.suppress(Exception):
-            original = pickle.loads(msg.pickled)
-    err = rebuilt_error(f"worker {w.id} (pid {w.link.pid})", msg.error_repr, msg.traceback,
-                        original, worker_id=w.id, pid=w.link.pid)
+    err = rebuilt_error(f"worker {w.id} (pid {w.link.pid})", msg, original, worker_id=w.id,
+                        pid=w.link.pid)
     return BatchFailure(msg.seq, err) if isinstance(msg, wire.BatchFailed) else err

@@ -154,6 +154,11 @@ class _InProcess:
         """Nothing to kill in this process: a silent fetch times out."""
         return False
 
+    def behind(self) -> str:
+        """What a timeout waited for: a stream's reader, or a map-style dataset."""
+        what = "dataset" if self.pipe.kind is Kind.MAP else "reader"
+        return f"the {what} in this process (num_workers=0)"
+
     async def enter_stage(self) -> LoadStage | None:
         """The pass's load stage, entered on this loop (None: the source has none)."""
         made = self.pipe.stage(None, self._skips.add)
@@ -320,9 +325,6 @@ class LocalIndex(_InProcess):
             yield step
         self._ended = step
 
-    def behind(self) -> str:
-        return "the dataset in this process (num_workers=0)"
-
     async def aclose(self, grace: float) -> None:
         self._plans.close()
         self._drop_queue()
@@ -400,9 +402,6 @@ class LocalStream(_InProcess):
                 return self.collate(step.items), step.mark
         return None
 
-    def behind(self) -> str:
-        return "the reader in this process (num_workers=0)"
-
     async def aclose(self, grace: float) -> None:
         await aclose(self._passes)
         await super().aclose(grace)
@@ -436,6 +435,3 @@ class LocalInstances(_InProcess):
             return PassDone(False)
         # Keys skipped on error count for a worker's position; here they go no further.
         return Delivered([x for x in chunk if not isinstance(x, SkippedLoad)])
-
-    def behind(self) -> str:
-        return "the reader in this process (num_workers=0)"

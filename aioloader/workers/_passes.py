@@ -11,6 +11,7 @@ batch and sending it are the caller's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 
 from .._config import Workers
 from .._info import WorkerInfo, set_worker_info
-from ..pipeline._loads import LoadStage, Report
+from ..pipeline._loads import ALL_SKIPPED, LoadStage, Report
 from ..pipeline._pipeline import Batch, Boundary, Pipeline, Touch, each
 from ..plans._position import ShardPosition
 from ..plans._sources import Unhooked
@@ -195,6 +196,22 @@ class Serving:
             return pipe.batches(start, seed, stage, touch=touch)
 
         return passes(spec.start(), batches, self.seeding.begin, Retirement(spec.workers))
+
+    def making(self, built: Batch | list[Any]) -> tuple[Callable[[], Any], Any]:
+        """How a :class:`Build`'s batch becomes the value sent, and its mark: a batch is
+        collated, a chunk of instances goes as it is (no mark)."""
+        if isinstance(built, Batch):
+            return functools.partial(self.pipe.collate, built.items), built.mark
+        return lambda: built, None
+
+    def answering(self, items: list[Any],
+                  indices: list[Any] | None = None) -> tuple[Callable[[], Any], Any]:
+        """How an index task's fetched ``items`` become its answer, and its mark: collated;
+        with a load stage, a batch whose every key was skipped (and reported) is an empty
+        answer, :data:`ALL_SKIPPED`, which the parent passes over."""
+        if items or self.stage is None:
+            return functools.partial(self.pipe.collate, items, indices), None
+        return lambda: None, ALL_SKIPPED
 
 
 @contextlib.asynccontextmanager

@@ -36,8 +36,6 @@ def check_picklable(parts: dict[str, Any], start_method: str) -> None:
             ) from exc
 
 
-
-
 def spawn_dumps(obj: object) -> tuple[memoryview, list[int]]:
     """``obj`` pickled as spawn's start pickles a process, and the fds to pass with it.
 
@@ -76,8 +74,6 @@ class _PassedFd:
 
     def detach(self) -> int:
         return _RECEIVED.pop(self.index)
-
-
 
 
 @contextlib.contextmanager

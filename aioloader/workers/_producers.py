@@ -14,7 +14,7 @@ import contextlib
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from .._errors import BatchFailure, ResumeError
 from .._stats import ArenaStats, WorkerStats
@@ -23,32 +23,15 @@ from ..pipeline._pipeline import INSTANCE_CHUNK
 from ..plans._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ..plans._sources import shard_spec
 from ._phases import WorkerLost
-from ._spec import WorkerSpec
 from ._steps import Delivered, PassDone, Step
-from ._supervising import Arrival, Ended, Received
+from ._supervising import Ended, Received, Supervising
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)
 
 
-class Pool(Protocol):
-    """What the producers use of a supervisor: worker processes or threads
-    (``_supervisor.Supervisor``), or Ray actors (``_ray.RaySupervisor``)."""
-
-    spec: WorkerSpec
-    num_workers: int
-    last_heard: float
-
-    async def start(self) -> None: ...
-    async def receive(self, worker_id: int, *, lease: bool = True) -> Arrival: ...
-    def request(self, worker_id: int, seq: int, indices: list[int]) -> None: ...
-    async def restart(self, worker_id: int, start: ShardPosition | None = None) -> None: ...
-    def attach(self) -> None: ...
-    def detach(self) -> None: ...
-    def heal(self, silence: float) -> bool: ...
-    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]: ...
-    def describe(self, worker_ids: list[int]) -> str: ...
-    async def aclose(self, grace: float) -> None: ...
-    def close(self, grace: float) -> None: ...
+# What the producers use of a supervisor: worker processes or threads
+# (``_supervisor.Supervisor``) or Ray actors (``_ray.RaySupervisor``), on one base.
+Pool = Supervising[Any]
 
 
 class CachedInstances(Sequence[Any]):

@@ -45,7 +45,6 @@ import collections
 import contextlib
 import copy
 import logging
-import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +55,7 @@ from ..pipeline._loads import SkipLog, SkippedLoad
 from ..plane import _wire as wire
 from ..plans._position import ShardPosition
 from ._phases import Phase, RestartBudget, WorkerState
-from ._ray_actor import Hello, PassOver, Raised, RayWorker, Reply, Retire
+from ._ray_actor import Hello, PassOver, RayWorker, Reply, Retire
 from ._ray_cluster import (
     connect,
     first_reply,
@@ -138,28 +137,19 @@ class RaySupervisor(Supervising[ActorLink]):
         return {**given, "max_restarts": 0, "max_task_retries": 0,
                 "max_concurrency": max(64, 4 * self.num_workers * self._slots)}
 
-    async def start(self) -> None:
-        """Connect to Ray (``ray.init()`` unless the caller did), put the spec in the
-        object store once, start every actor and wait until each says where it runs."""
+    async def _prepare(self) -> None:
+        """Connect to Ray (``ray.init()`` unless the caller did) and put the spec in the
+        object store once; each actor's start then waits until it says where it runs."""
         ray = ray_module()
+        await connect()
         try:
-            await connect()
-            try:
-                self._spec_ref = ray.put(self.spec)
-            except Exception as exc:
-                raise SourcePicklingError(
-                    f"the worker spec (source {type(self.spec.source).__name__}) cannot be "
-                    f"sent to Ray actors: {exc!r}. Make the source, collate_fn and "
-                    "worker_init_fn picklable with cloudpickle") from exc
-            self._cls = ray.remote(RayWorker).options(**self._options())
-            for k in range(self.num_workers):
-                self.workers.append(self._new(k, None))
-            for w in self.workers:
-                await self._up(w)
-                self.roster.started(w)
-        except BaseException:
-            await self.aclose(0.0)
-            raise
+            self._spec_ref = ray.put(self.spec)
+        except Exception as exc:
+            raise SourcePicklingError(
+                f"the worker spec (source {type(self.spec.source).__name__}) cannot be "
+                f"sent to Ray actors: {exc!r}. Make the source, collate_fn and "
+                "worker_init_fn picklable with cloudpickle") from exc
+        self._cls = ray.remote(RayWorker).options(**self._options())
 
     def _new(self, worker_id: int, start: ShardPosition | None) -> Actor:
         handle = self._cls.remote(self._spec_ref, worker_id, start)
@@ -231,14 +221,7 @@ class RaySupervisor(Supervising[ActorLink]):
 
     # ------------------------------------------------------------------ the Roster's events
 
-    def request(self, worker_id: int, seq: int, indices: list[int]) -> None:
-        """Ask worker ``worker_id`` for the batch of ``indices``, numbered ``seq`` (the
-        producer bounds how many are in flight); once it is handed over, the task waits
-        for its successor, as a process worker's does."""
-        if self.roster.request(worker_id, seq, indices) and not self.closed:
-            self._fetch(self.workers[worker_id], seq, indices)
-
-    def _fetch(self, w: Actor, seq: int, indices: list[int]) -> None:
+    def _ask(self, w: Actor, seq: int, indices: list[int]) -> None:
         w.link.calls.append(w.link.handle.fetch.remote(w.link.number(), seq, indices))
 
     async def _wait(self, worker_id: int) -> None:
@@ -272,8 +255,9 @@ class RaySupervisor(Supervising[ActorLink]):
         """``w``'s ``reply``, as the Roster's message."""
         for s in getattr(reply, "skipped", ()):
             self.skips.add(SkippedLoad(s.key, w.id, s.attempts, s.error))
-        if isinstance(reply, Raised):
-            self.roster.on_message(w, self._worker_error(w, reply))
+        if isinstance(reply, wire.Failed):
+            self.roster.on_message(w, rebuilt_error(self._named(w), reply, worker_id=w.id,
+                                                    pid=w.link.pid))
             return
         if isinstance(reply, Retire):  # a stream's hand-over: later calls are the successor's
             w.link.calls.clear()
@@ -302,8 +286,7 @@ class RaySupervisor(Supervising[ActorLink]):
         w.link.calls.clear()
         if self.roster.on_exit(w) is not None:
             self.roster.on_death(w, self._died(w, error))
-        if self.failure is not None and self.failure.__cause__ is None:
-            self.failure.__cause__ = error
+        self._fail_cause(error)
 
     async def _take(self, w: Actor, msg: wire.Batch, lease: bool) -> Any:
         """Tensors stay views of the object store (zero-copy), or are copied out
@@ -313,28 +296,22 @@ class RaySupervisor(Supervising[ActorLink]):
 
     async def _switch(self, worker_id: int) -> None:
         """Recycling: what the retiring actor was asked before its hand-over comes first;
-        then its successor, once up, takes its place and the tasks it did not answer."""
+        then its successor takes its place (:meth:`Supervising._switch`)."""
         old = self.workers[worker_id]
-        if old.link.calls:
-            self._awaited = worker_id
-            try:
-                await self._read(old)
-            finally:
-                self._awaited = None
+        if not old.link.calls:
+            await super()._switch(worker_id)
             return
-        new = old.successor
-        assert new is not None
-        await self._up(new)
-        then = self.roster.switched(worker_id)
-        self._let_go([old])
-        if self.closed:
-            return
+        self._awaited = worker_id
+        try:
+            await self._read(old)
+        finally:
+            self._awaited = None
+
+    def _took_over(self, new: Actor) -> None:
         if new.phase in _ASKED:
             for seq, indices in new.sent.items():
-                self._fetch(new, seq, indices)
+                self._ask(new, seq, indices)
             self._top_up(new)
-        if then is not None:  # the next hand-over that waited for this one
-            self._start_successor(then)
 
     # ------------------------------------------------------------------ faults
 
@@ -366,21 +343,7 @@ class RaySupervisor(Supervising[ActorLink]):
                 ray_module().kill(w.link.handle, no_restart=True)
             self._retired.append(w)
 
-    def _worker_error(self, w: Actor, msg: Raised) -> WorkerError:
-        original: object = None
-        if msg.pickled is not None:
-            with contextlib.suppress(Exception):
-                original = pickle.loads(msg.pickled)
-        return rebuilt_error(self._named(w), msg.error_repr, msg.traceback, original,
-                             worker_id=w.id, pid=w.link.pid)
-
     # ------------------------------------------------------------------ watch, report
-
-    def attach(self) -> None:
-        """Nothing to watch: an awaited ObjectRef wakes whichever loop awaits it."""
-
-    def detach(self) -> None:
-        pass
 
     def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
         """Each worker's telemetry (its node too); no arena: batches go through Ray."""
@@ -390,9 +353,6 @@ class RaySupervisor(Supervising[ActorLink]):
         in_flight = sum(len(w.link.calls) for w in self.workers)
         slots = self._slots * len(self.workers)
         return workers, ArenaStats(slots, max(slots - in_flight, 0), in_flight, 0, 0)
-
-    def describe(self, worker_ids: list[int]) -> str:
-        return ", ".join(self._named(self.workers[k]) for k in worker_ids)
 
     # ------------------------------------------------------------------ stop
 

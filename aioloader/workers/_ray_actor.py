@@ -46,11 +46,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..pipeline._loads import ALL_SKIPPED, LoadStage, SkippedLoad
+from ..pipeline._loads import LoadStage, SkippedLoad
 from ..pipeline._pipeline import Batch
+from ..plane import _wire as wire
 from ..plane._codec import tensors_nbytes
 from ..plans._position import ShardPosition
-from ._failures import pickled_error, traceback_text
+from ._failures import described
 from ._passes import Build, PassEnd, Retirement, Serving, serving
 from ._spec import WorkerSpec
 
@@ -90,16 +91,7 @@ class Retire:
     skipped: tuple[SkippedLoad, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Raised:
-    """The worker's exception: its repr, its traceback, itself when it pickles."""
-
-    error_repr: str
-    traceback: str
-    pickled: bytes | None
-
-
-Reply = Built | PassOver | Retire | Raised
+Reply = Built | PassOver | Retire | wire.Failed  # (the worker's exception, as a process's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +139,8 @@ def tensor_in(data: tuple[Any, ...]) -> torch.Tensor:
     return t.requires_grad_() if grad else t
 
 
-def _raised(exc: BaseException) -> Raised:
-    return Raised(repr(exc), traceback_text(exc), pickled_error(exc))
+def _raised(exc: BaseException) -> wire.Failed:
+    return wire.Failed(*described(exc, None))
 
 
 @dataclass
@@ -178,7 +170,7 @@ class RayWorker:
         self.turn = 0  # the number of the call whose turn it is
         self.begun = 0  # index calls whose loads have started (they start in call order)
         self.skipped: list[SkippedLoad] = []
-        self.failure: Raised | None = None
+        self.failure: wire.Failed | None = None
         self.stack = contextlib.AsyncExitStack()  # the set-up's: left with the process
         self.serving: Serving | None = None
         self.retirement = Retirement(spec.workers)  # index batches' (a stream's: its passes')
@@ -254,9 +246,8 @@ class RayWorker:
         began = time.monotonic()
         try:
             items = loading.result() if loading is not None else pipe.fetch(indices)
-            # Every key of the batch skipped: an empty answer, which the parent passes over.
-            value = pipe.collate(items) if items or self.stage is None else None
-            mark = None if value is not None or self.stage is None else ALL_SKIPPED
+            make, mark = self.serving.answering(items)
+            value = make()
             retire = self.retirement.batch_done()
         except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
             self.failure = _raised(exc)
@@ -295,18 +286,14 @@ class RayWorker:
         """The worker's passes (:func:`~aioloader.workers._passes.passes`) as replies; the
         stream ends after a hand-over, or after the one pass of instances."""
         assert self.serving is not None
-        pipe = self.serving.pipe
         async with contextlib.aclosing(self.serving.passes()) as events:
             async for event in events:
                 if isinstance(event, Build):
-                    step = event.batch
-                    if isinstance(step, Batch):
-                        value = pipe.collate(step.items)
-                        yield Built(event.seq, step.mark, value, tensors_nbytes(value),
-                                    self.clock.busy, skipped=self._taken_skips())
-                    else:  # a chunk of instances, as it is
-                        yield Built(event.seq, None, step, 0, self.clock.busy,
-                                    skipped=self._taken_skips())
+                    make, mark = self.serving.making(event.batch)
+                    value = make()  # (a chunk of instances: no tensor bytes counted)
+                    nbytes = tensors_nbytes(value) if isinstance(event.batch, Batch) else 0
+                    yield Built(event.seq, mark, value, nbytes, self.clock.busy,
+                                skipped=self._taken_skips())
                 elif isinstance(event, PassEnd):
                     yield PassOver(event.pass_no, event.batches, self.clock.busy,
                                    self._taken_skips())

@@ -132,7 +132,7 @@ class Standby:
         ``worker_sock``. False when it is gone (it is reaped): spawn another instead."""
         try:
             if self.started.exception() is not None or self.exited():
-                _stop([self], 0.0)
+                release([self], 0.0)
                 return False
             assert self.surroundings is not None
             changes = pickle.dumps(Surroundings.now().changes_since(self.surroundings))
@@ -140,7 +140,7 @@ class Standby:
             try:
                 _send(self.sock, changes, payload, fds)
             except OSError:  # it died meanwhile (EPIPE, ECONNRESET)
-                _stop([self], EXIT_GRACE)
+                release([self], EXIT_GRACE)
                 return False
             return True
         finally:
@@ -219,22 +219,16 @@ class StandbyPool:
     def close(self, grace: float = EXIT_GRACE) -> None:
         """Dismiss the standbys no session took, and reap them."""
         if os.getpid() == self.owner_pid:
-            self.release(self.take_all(), grace)
-
-    @staticmethod
-    def release(standbys: list[Standby], grace: float) -> None:
-        """Dismiss ``standbys`` and reap them: EOF, ``grace`` seconds, then SIGTERM and
-        SIGKILL, as the supervisor reaps its workers."""
-        for standby in standbys:
-            standby.dismiss()
-        # A standby still starting joins the schedule once it exists (stop_processes).
-        stop_processes([], grace, {s.started: s.started_process for s in standbys})
+            release(self.take_all(), grace)
 
 
-def _stop(standbys: list[Standby], grace: float) -> None:
-    """Wait ``grace`` seconds for started ``standbys`` to exit, then terminate, then kill."""
-    stop_processes([s.process for s in standbys
-                    if s.started.done() and s.started.exception() is None], grace)
+def release(standbys: list[Standby], grace: float) -> None:
+    """Dismiss ``standbys`` and reap them: EOF, ``grace`` seconds, then SIGTERM and SIGKILL,
+    as the supervisor reaps its workers. One still starting joins the schedule once it
+    exists (:func:`stop_processes`); one whose start failed has nothing to reap."""
+    for standby in standbys:
+        standby.dismiss()
+    stop_processes([], grace, {s.started: s.started_process for s in standbys})
 
 
 def standby_main(sock: socket.socket, modules: list[str]) -> None:
@@ -253,8 +247,6 @@ def standby_main(sock: socket.socket, modules: list[str]) -> None:
     worker_main(spec, worker_sock)
 
 
-
-
 def hand_off_worker(standby: Standby, spec: WorkerSpec, fresh: BaseProcess,
                     parent: socket.socket, child: socket.socket) -> Launch:
     """Submit the hand-off of ``spec`` to ``standby``; where the standby is gone, the process
@@ -262,8 +254,6 @@ def hand_off_worker(standby: Standby, spec: WorkerSpec, fresh: BaseProcess,
     launch = Launch(standby.process, parent)
     launch.future = STARTER.submit(_hand_off, launch, spec, child, standby, fresh)
     return launch
-
-
 
 
 def _hand_off(launch: Launch, spec: WorkerSpec, child: socket.socket, standby: Standby,
@@ -287,8 +277,6 @@ def _hand_off(launch: Launch, spec: WorkerSpec, child: socket.socket, standby: S
         return
     launch.process = fresh
     start_launch(launch, child)
-
-
 
 
 def _send(sock: socket.socket, changes: bytes, payload: bytes | memoryview,

@@ -12,13 +12,15 @@ take a batch, wait for the next event, start, switch, kill and let go of a worke
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .._errors import WorkerError, worker_error_for
-from .._stats import WorkerStats
+from .._stats import ArenaStats, WorkerStats
 from ..pipeline._loads import SkipLog
 from ..plane import _wire as wire
 from ..plans._position import ShardPosition
@@ -90,6 +92,13 @@ class Supervising(Generic[L]):
 
     # ------------------------------------------------------------------ the transport's
 
+    async def _prepare(self) -> None:
+        """Before the first worker starts: what every worker's start needs."""
+
+    def _first(self, worker_id: int) -> WorkerState[L]:
+        """Worker ``worker_id`` of the first start, registered and submitted."""
+        return self._new(worker_id, None)
+
     def _new(self, worker_id: int, start: ShardPosition | None) -> WorkerState[L]:
         """Worker ``worker_id`` registered and its start submitted; a stream's goes on
         from ``start`` (None: where the spec says)."""
@@ -106,16 +115,21 @@ class Supervising(Generic[L]):
     def _watch_new(self, w: WorkerState[L]) -> None:
         """``w`` replaced a worker in place: watch it as the others are watched."""
 
+    def _ask(self, w: WorkerState[L], seq: int, indices: list[int]) -> None:
+        """Send ``w`` the task of batch ``seq``: ``indices``."""
+        raise NotImplementedError
+
+    def _took_over(self, new: WorkerState[L]) -> None:
+        """``new`` took its retired predecessor's place (:meth:`_switch`): it gets the
+        tasks that one did not answer, and is watched."""
+        raise NotImplementedError
+
     async def _take(self, w: WorkerState[L], msg: wire.Batch, lease: bool) -> Any:
         """Batch ``msg``'s value, the consumer's own."""
         raise NotImplementedError
 
     def _pass_ended(self, w: WorkerState[L], msg: wire.PassEnd) -> None:
         """``w``'s pass end ``msg`` is handed over: what it held may go."""
-
-    async def _switch(self, worker_id: int) -> None:
-        """Worker ``worker_id``'s successor takes its place (:class:`Switch`)."""
-        raise NotImplementedError
 
     async def _wait(self, worker_id: int) -> None:
         """Wait for the next event of worker ``worker_id`` (or of the session)."""
@@ -139,6 +153,59 @@ class Supervising(Generic[L]):
         """'worker 2 (pid 123)': ``w`` in a message."""
         raise NotImplementedError
 
+    def attach(self) -> None:
+        """Watch the workers on the running loop, while an epoch runs (Ray: nothing to
+        watch, an awaited ObjectRef wakes whichever loop awaits it)."""
+
+    def detach(self) -> None:
+        """Stop watching them: the epoch is over (the workers may stay for the next)."""
+
+    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
+        """Each worker's telemetry, and the arenas'; plain reads."""
+        raise NotImplementedError
+
+    async def aclose(self, grace: float) -> None:
+        """Stop every worker and wait for it, without blocking the loop."""
+        raise NotImplementedError
+
+    def close(self, grace: float) -> None:
+        """Blocking version of :meth:`aclose`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ start, ask, fail
+
+    async def start(self) -> None:
+        """Start every worker; cancellation-safe: whatever fails or is cancelled, the
+        workers registered so far are stopped (no grace). Each worker is registered before
+        its start is submitted, so closing always sees every one."""
+        try:
+            await self._prepare()
+            for k in range(self.num_workers):
+                self.workers.append(self._first(k))
+            for w in self.workers:
+                await self._up(w)
+                self.roster.started(w)
+        except BaseException:
+            await self.aclose(0.0)
+            raise
+
+    def request(self, worker_id: int, seq: int, indices: list[int]) -> None:
+        """Ask worker ``worker_id`` for the batch of ``indices``, numbered ``seq`` (the
+        producer bounds how many are in flight). Once it is handed over the task waits for
+        its successor, which gets every task the retiring one did not answer, in order,
+        when it takes over."""
+        if self.roster.request(worker_id, seq, indices) and not self.closed:
+            self._ask(self.workers[worker_id], seq, indices)
+
+    def _fail_cause(self, exc: BaseException) -> None:
+        """``exc`` is why the session failed, unless its failure has a cause already."""
+        if self.failure is not None and self.failure.__cause__ is None:
+            self.failure.__cause__ = exc
+
+    def describe(self, worker_ids: list[int]) -> str:
+        """The workers ``worker_ids``, for a timeout's message."""
+        return ", ".join(self._named(self.workers[k]) for k in worker_ids)
+
     # ------------------------------------------------------------------ the consumer's
 
     def _start_successor(self, action: StartSuccessor) -> None:
@@ -148,6 +215,21 @@ class Supervising(Generic[L]):
         self.roster.add_successor(w, self._new(w.id, start))
         log.info("%s is retiring (recycle %d); its successor starts", self._named(w),
                  self.budget.recycles)
+
+    async def _switch(self, worker_id: int) -> None:
+        """Recycling (:class:`Switch`): worker ``worker_id``'s successor, once up, takes its
+        place and the tasks it did not answer; then the next hand-over that waited."""
+        old = self.workers[worker_id]
+        new = old.successor
+        assert new is not None
+        await self._up(new)
+        then = self.roster.switched(worker_id)
+        if self.closed:
+            return  # closing covered both (the successor was still the old one's)
+        self._let_go([old])
+        self._took_over(new)
+        if then is not None:  # the next hand-over that waited for this one
+            self._start_successor(then)
 
     async def receive(self, worker_id: int, *, lease: bool = True) -> Arrival:
         """The next batch or pass end of worker ``worker_id``, in the order it sent them.
@@ -238,15 +320,19 @@ def worker_stats(w: WorkerState[Any], pid: int | None, node: str | None = None) 
                        min(w.busy / alive, 1.0) if w.batches else 0.0, node=node)
 
 
-def rebuilt_error(who: str, error_repr: str, traceback: str, original: object, *,
+def rebuilt_error(who: str, told: wire.Failed | wire.BatchFailed, original: object = None, *,
                   worker_id: int, pid: int | None) -> WorkerError:
     """A worker's exception as the consumer sees it: a WorkerError that is also of the
     original's type where possible (``except KeyError:`` still works, as with torch), the
-    worker's traceback in its message, the original (when it came back) as its cause."""
+    worker's traceback in its message, the original as its cause: ``original`` (a thread
+    worker's, by reference), or ``told``'s pickle when it unpickles here."""
+    if original is None and told.pickled is not None:
+        with contextlib.suppress(Exception):
+            original = pickle.loads(told.pickled)
     err = worker_error_for(
         original if isinstance(original, BaseException) else None,
-        f"{who} raised {error_repr}\n\n  Traceback from the worker:\n  "
-        + traceback.rstrip().replace("\n", "\n  "), worker_id=worker_id, pid=pid)
+        f"{who} raised {told.error_repr}\n\n  Traceback from the worker:\n  "
+        + told.traceback.rstrip().replace("\n", "\n  "), worker_id=worker_id, pid=pid)
     if isinstance(original, BaseException):
         err.__cause__ = original
     return err

@@ -89,44 +89,28 @@ class Supervisor(Supervising[Link]):
         self._retired: list[Worker] = []  # replaced processes, reaped at the end
         self.standby = standby  # spawn: the loader's warm processes, for the first start
         self._standbys: list[Standby] = []  # taken from it and not used yet
-        # (worker id, its last word, ns it had waited for a CPU) when the consumer's wait
+        # (worker id, its last word, ns it had waited for a CPU, when) the consumer's wait
         # for it began: what it waits for a CPU after that is the machine's load, not its
         # silence (heal)
-        # (worker, its last word, its CPU wait then, when the consumer began to wait for it)
         self._queued: tuple[int, float, int | None, float] | None = None
 
     # ------------------------------------------------------------------ start
 
-    def check_picklable(self) -> None:
-        """With spawn/forkserver the spec travels pickled: fail before starting anything."""
-        if self.start_method == "fork" or self.spec.workers.threaded:
-            return
-        check_picklable(self.spec.parts(), self.start_method)
-
-    async def start(self) -> None:
-        """Start every worker; cancellation-safe.
-
-        Each worker is registered before its process is submitted for starting, and the
-        start itself runs to its end in the starter thread whatever happens here, so
-        reaping (which waits for pending starts) always sees every process. With the
-        loader's standby processes (spawn), the first start takes them all; those it does
-        not use are reaped with the workers.
-        """
+    async def _prepare(self) -> None:
+        """With the loader's standby processes (spawn), the first start takes them all;
+        those it does not use are reaped with the workers. With spawn or forkserver the
+        spec travels pickled: it fails here, before anything starts, if it cannot."""
         if self.standby is not None:
             self._standbys = self.standby.take_all()
-        try:
-            self.check_picklable()
-            for k in range(self.num_workers):
-                standby = self._standbys[0] if self._standbys else None
-                self.workers.append(self._spawn(self.spec.for_worker(k), standby))
-                if standby is not None:
-                    self._standbys.remove(standby)
-            for w in self.workers:
-                await self._up(w)
-                self.roster.started(w)
-        except BaseException:
-            await self.aclose(0.0)
-            raise
+        if self.start_method != "fork" and not self.spec.workers.threaded:
+            check_picklable(self.spec.parts(), self.start_method)
+
+    def _first(self, worker_id: int) -> Worker:
+        standby = self._standbys[0] if self._standbys else None
+        w = self._spawn(self.spec.for_worker(worker_id), standby)
+        if standby is not None:
+            self._standbys.remove(standby)
+        return w
 
     def _spawn(self, spec: WorkerSpec, standby: Standby | None = None) -> Worker:
         """A worker registered and submitted for starting (see :meth:`start`); with
@@ -186,24 +170,13 @@ class Supervisor(Supervising[Link]):
     def _named(self, w: Worker) -> str:
         return f"worker {w.id} (pid {w.link.pid})"
 
-    async def _switch(self, worker_id: int) -> None:
-        """Worker ``worker_id``'s successor takes its place (recycling)."""
-        old = self.workers[worker_id]
-        new = old.successor
-        assert new is not None
-        await self._up(new)
-        then = self.roster.switched(worker_id)
-        if self.closed:
-            return  # closing covered both (the successor was still the old one's)
+    def _took_over(self, new: Worker) -> None:
         for seq, indices in new.sent.items():  # what the retiring one did not answer
-            self._send_to(new, wire.Task(seq, indices))
-        self._let_go([old])
+            self._ask(new, seq, indices)
         self._watch_new(new)
         task = asyncio.get_running_loop().create_task(self._reap_retired())
         _REAPS.add(task)
         task.add_done_callback(_REAPS.discard)
-        if then is not None:  # the next hand-over that waited for this one
-            self._start_successor(then)
 
     # ------------------------------------------------------------------ watch
 
@@ -249,10 +222,6 @@ class Supervisor(Supervising[Link]):
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-
-    def _fail_cause(self, exc: BaseException) -> None:
-        if self.failure is not None and self.failure.__cause__ is None:
-            self.failure.__cause__ = exc
 
     def _on_readable(self, w: Worker) -> None:
         # A loop callback's exception would only be logged by asyncio while the consumer
@@ -361,14 +330,8 @@ class Supervisor(Supervising[Link]):
 
     # ------------------------------------------------------------------ send
 
-    def request(self, worker_id: int, seq: int, indices: list[int]) -> None:
-        """Ask worker ``worker_id`` for the batch of ``indices``, numbered ``seq``.
-
-        Once it is handed over the task waits for its successor, which gets every task the
-        retiring one did not answer, in order, when it takes over.
-        """
-        if self.roster.request(worker_id, seq, indices):
-            self._send_to(self.workers[worker_id], wire.Task(seq, indices))
+    def _ask(self, w: Worker, seq: int, indices: list[int]) -> None:
+        self._send_to(w, wire.Task(seq, indices))
 
     def _send_to(self, w: Worker, msg: wire.Message) -> None:
         if self.closed or not w.link.send(msg):
@@ -396,7 +359,7 @@ class Supervisor(Supervising[Link]):
         return workers, ArenaStats(slots, slots - filled - leased, filled, leased, nbytes)
 
     def describe(self, worker_ids: list[int]) -> str:
-        named = ", ".join(f"worker {k} (pid {self.workers[k].link.pid})" for k in worker_ids)
+        named = super().describe(worker_ids)
         if self.spec.workers.threaded:
             return (f"{named} (thread workers cannot be killed, so a hung one is never "
                     "replaced: worker_type='process' with max_worker_restarts heals it)")

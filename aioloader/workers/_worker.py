@@ -24,13 +24,13 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import torch
 
-from ..pipeline._loads import ALL_SKIPPED, SKIP_REPORT, LoadStage, SkippedLoad
-from ..pipeline._pipeline import Batch, InOrder, Pipeline
+from ..pipeline._loads import SKIP_REPORT, LoadStage, SkippedLoad
+from ..pipeline._pipeline import InOrder
 from ..pipeline._stacking import route_torch_collate_into_arena
 from ..plane import _wire as wire
 from ..plane._dataplane import Shelf
@@ -220,30 +220,15 @@ def _plain(key: Any) -> Any:
     return key if isinstance(key, (str, int, float, bool, bytes, type(None))) else repr(key)
 
 
-def _collated(pipe: Pipeline, items: list[Any],
-              indices: list[Any] | None = None) -> Callable[[], Any]:
-    return lambda: pipe.collate(items, indices)
-
-
-def _given(value: Any) -> Callable[[], Any]:
-    return lambda: value
-
-
 async def _run_stream(worker: Serving, chan: Channel) -> None:
     """The worker's passes (:func:`~aioloader.workers._passes.passes`) over the wire: each
     batch built into a slot, each pass end in a slot of its own (bounded, even when the
     pass was empty), a hand-over as the successor's position; until the parent stops us."""
     touch = chan.progress if worker.spec.workers.progress else None
-    pipe = worker.pipe
     async with contextlib.aclosing(worker.passes(touch)) as events:
         async for event in events:
             if isinstance(event, Build):
-                step = event.batch
-                if isinstance(step, Batch):
-                    made = await chan.emit(event.seq, _collated(pipe, step.items), step.mark)
-                else:  # a chunk of instances, as it is
-                    made = await chan.emit(event.seq, _given(step))
-                if not made:
+                if not await chan.emit(event.seq, *worker.making(event.batch)):
                     return
             elif isinstance(event, PassEnd):
                 slot = await chan.slot()
@@ -273,7 +258,7 @@ async def _run_index(worker: Serving, chan: Channel) -> None:
             return
         try:
             items = pipe.fetch(task.indices, touch)
-            sent = await chan.emit(task.seq, _collated(pipe, items, task.indices))
+            sent = await chan.emit(task.seq, *worker.answering(items, task.indices))
         except Exception as exc:  # noqa: BLE001 - that batch's error; the next task follows
             await chan.send(wire.BatchFailed(task.seq, *described(exc, chan.shelf, task.seq)))
             continue
@@ -300,14 +285,12 @@ async def _run_index_loaded(worker: Serving, chan: Channel, stage: LoadStage) ->
     """:func:`_run_index` with a load stage: every task the parent sent starts its loads at
     once (the stage's gate bounds them), so loads overlap across batches; batches still go
     out in the order of the tasks."""
-    pipe, source = worker.pipe, worker.spec.source
+    source = worker.spec.source
     retire = Retirement(worker.spec.workers)
     fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
     try:
         async for task, group in fetches:
-            # Every key of the batch skipped: an empty answer, which the parent passes over.
-            make = _collated(pipe, group) if group else _given(None)
-            if not await chan.emit(task.seq, make, None if group else ALL_SKIPPED):
+            if not await chan.emit(task.seq, *worker.answering(group)):
                 return
             if retire.batch_done():
                 await _retire(chan)
