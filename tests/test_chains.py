@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rank_servers import RankServers
 
 STEP = "chain_jobs:step"
-MAX_EXAMPLES = int(os.environ.get("CHAINS_EXAMPLES", "8"))  # per source kind
+MAX_EXAMPLES = int(os.environ.get("CHAINS_EXAMPLES", "6"))  # per source kind
 STREAMS = ("lazy", "unordered", "iterable")
 
 

@@ -226,7 +226,8 @@ async def test_loading_closes_its_connections(where: str, objects: ObjectServer,
 
 @pytest.mark.deadline(150)
 def test_workers_close_their_http_filesystem_cleanly(tmp_path: Path) -> None:
-    """Over HTTP, 2 workers, concurrency 32, closed with loads in flight: 20 times, and no
+    """Over HTTP, 2 workers, concurrency 32, closed with loads in flight: 12 times (20 took
+    57 s of CI's time under load), and no
     worker writes to stderr (issue 19: a worker whose close was cut short by the parent's EOF
     left its loading() context to the loop's shutdown_asyncgens, which finalised it and the
     filesystem generator inside it at once: "athrow(): asynchronous generator is already
@@ -234,15 +235,15 @@ def test_workers_close_their_http_filesystem_cleanly(tmp_path: Path) -> None:
     with object_server(count=2000, size=2_000) as server, \
             (tmp_path / "stderr").open("w+") as stderr:
         urls = [server.object_url(name) for name in server.names]
-        done = subprocess.run([sys.executable, str(CLOSE_CHILD), "20"], input=json.dumps(urls),
+        done = subprocess.run([sys.executable, str(CLOSE_CHILD), "12"], input=json.dumps(urls),
                               stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=120,
                               check=False)
         stderr.seek(0)
         written = stderr.read()
     runs = [tuple(map(int, line.split())) for line in done.stdout.splitlines()]
     dirty = [run for run, nbytes in runs if nbytes]
-    assert written == "", f"runs {dirty} of 20 wrote to stderr:\n{written[-4000:]}"
-    assert done.returncode == 0 and [run for run, _ in runs] == list(range(1, 21)), done
+    assert written == "", f"runs {dirty} of 12 wrote to stderr:\n{written[-4000:]}"
+    assert done.returncode == 0 and [run for run, _ in runs] == list(range(1, 13)), done
 
 
 def test_reader_pickles_without_state(s3: S3Server) -> None:
