@@ -310,9 +310,14 @@ class Supervisor(Supervising[Link]):
         if before is None or now is None:
             return 0.0
         waited = max(0, now - before) / 1e9
-        # Nothing was measured before the consumer began to wait; a worker seen starved
-        # since was most likely starved then too (a stopped or blocked one waits for no CPU).
-        return waited + max(0.0, since - heard) if waited > 0 else 0.0
+        # Nothing was measured before the consumer began to wait; a worker starved for most
+        # of the time since was most likely starved then too. A stopped or blocked one waits
+        # for no CPU, and one stopped moments after the wait began waited for microseconds:
+        # neither counts the unmeasured time (when any wait counted, some hangs were healed
+        # one timeout late).
+        if waited >= (time.monotonic() - since) / 2:
+            return waited + max(0.0, since - heard)
+        return waited
 
     def _can_kill(self) -> bool:
         return not self.spec.workers.threaded  # a hung thread times out
