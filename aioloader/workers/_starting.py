@@ -8,6 +8,7 @@ spec as spawn sends it aioloader/workers/_pickling.py's:
   starting can block (spawn writes the pickled spec into a pipe the child reads only once
   Python is up), and the thread that forks a child is the "parent" ``PR_SET_PDEATHSIG``
   watches, so it must outlive the workers. A :class:`Launch` is one worker's start there.
+  One a process: a forked child (a user's ``multiprocessing.Process``) starts its own.
 * **Parent sockets.** The parent's end of every live worker's socket is registered
   (:func:`socket_pair`); a process forked later (another worker) closes them at once, or a
   worker would never see EOF when its parent closes or dies.
