@@ -105,3 +105,23 @@ def test_a_datapipes_sharding_filter_splits_it_between_workers_as_torchs(
                     num_workers=num_workers))
         for loader in LOADERS)
     assert ours == theirs
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_a_datapipe_shuffled_before_its_sharding_filter_is_partitioned_as_torchs(
+        num_workers: int) -> None:
+    # torch seeds every worker's Shuffler from one shared seed per iterator, so the shards
+    # partition one shuffled order; ours drew a seed per worker: overlaps and misses
+    def pipe() -> Any:
+        return IterableWrapper(list(range(40))).shuffle().sharding_filter()
+
+    theirs = tud.DataLoader(pipe(), batch_size=None, shuffle=True, num_workers=num_workers)
+    ours = aioloader.DataLoader(pipe(), batch_size=None, shuffle=True, num_workers=num_workers,
+                                persistent_workers=True)
+    try:
+        for loader in (theirs, ours):
+            epochs = [[int(i) for i in loader] for _ in range(2)]
+            assert [sorted(e) for e in epochs] == [list(range(40))] * 2, type(loader)
+            assert epochs[0] != list(range(40)) and epochs[0] != epochs[1], type(loader)
+    finally:
+        ours.close()

@@ -18,12 +18,15 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
+from torch.utils.data import IterDataPipe
+from torch.utils.data.graph_settings import apply_random_seed
 
 from .._config import Workers
 from .._info import WorkerInfo, set_worker_info
 from ..pipeline._loads import ALL_SKIPPED, LoadStage, Report
 from ..pipeline._pipeline import Batch, Boundary, Pipeline, Touch, each
 from ..plans._position import ShardPosition
+from ..plans._samplers import derive_seed
 from ..plans._sources import Unhooked
 from ._spec import WorkerSpec
 
@@ -148,6 +151,17 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def seed_datapipe(source: Any, base_seed: int, pass_no: int) -> None:
+    """An ``IterDataPipe``'s shufflers seeded alike in every worker for pass ``pass_no``,
+    as torch seeds them from one shared seed per iterator (``apply_random_seed``): a
+    ``.shuffle()`` before ``.sharding_filter()`` then draws one order that the workers'
+    shards partition. Each drew its own before, and the shards overlapped and missed."""
+    if isinstance(source, IterDataPipe):
+        shared = torch.Generator()
+        shared.manual_seed(derive_seed(base_seed, pass_no) & ((1 << 63) - 1))
+        apply_random_seed(source, shared)
+
+
 class Seeding:
     """A worker's :class:`WorkerInfo` and global RNGs: set once as it starts (before
     ``worker_init_fn``), then as each pass begins. The first pass keeps what
@@ -159,10 +173,12 @@ class Seeding:
         self._set(self._seeded, reseed=True)
 
     def begin(self, pass_no: int) -> int:
-        """Pass ``pass_no`` begins: its seed, in the worker info and the RNGs."""
+        """Pass ``pass_no`` begins: its seed, in the worker info and the RNGs; a datapipe's
+        shufflers get the pass's shared seed (:func:`seed_datapipe`)."""
         seed = self.spec.seed_for(pass_no)
         self._set(seed, reseed=seed != self._seeded)  # not again: worker_init_fn's stays
         self._seeded = -1
+        seed_datapipe(self.spec.source, self.spec.seed, pass_no)
         return seed
 
     def _set(self, seed: int, reseed: bool) -> None:
