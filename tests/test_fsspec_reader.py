@@ -228,9 +228,10 @@ async def test_loading_closes_its_connections(where: str, objects: ObjectServer,
 def test_workers_close_their_http_filesystem_cleanly(tmp_path: Path) -> None:
     """Over HTTP, 2 workers, concurrency 32, closed with loads in flight: 12 times (20 took
     57 s of CI's time under load), and no worker writes to stderr (issue 19: a worker whose
-    close was cut short by the parent's EOF left its loading() context to the loop's shutdown_asyncgens, which finalised it and the
-    filesystem generator inside it at once: "athrow(): asynchronous generator is already
-    running", the session closed out of order)."""
+    close was cut short by the parent's EOF left its loading() context to the loop's
+    shutdown_asyncgens, which finalised it and the filesystem generator inside it at once:
+    "athrow(): asynchronous generator is already running", the session closed out of
+    order)."""
     with object_server(count=2000, size=2_000) as server, \
             (tmp_path / "stderr").open("w+") as stderr:
         urls = [server.object_url(name) for name in server.names]
