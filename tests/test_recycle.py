@@ -214,6 +214,34 @@ def test_a_loop_that_drops_each_batch_cycles_through_few_buffers() -> None:
         loader.close()
 
 
+def test_a_copy_helper_that_never_runs_holds_no_batch_memory() -> None:
+    """The in-process copy helper runs at idle priority: on a busy machine it may not run
+    for seconds, and the stacks it was offered are finished by the collating thread. Those
+    offers, cancelled but still queued behind its thread, must not keep their batch's memory
+    from coming back (CI: 5 buffers for a loop that drops each batch)."""
+    import concurrent.futures
+
+    from aioloader.pipeline._stacking import copy_helper
+
+    memory = Recycler()
+    helper = concurrent.futures.ThreadPoolExecutor(1)
+    busy = threading.Event()
+    helper.submit(busy.wait)  # its only thread is taken: every offer waits in its queue
+    copy_helper(helper)
+    try:
+        seen = set()
+        for k in range(6):
+            batch = collate(memory, images(64, start=k))
+            assert batch["image"][:, 0, 0, 0].tolist() == [(k + i) % 251 for i in range(64)]
+            seen.add(batch["image"].data_ptr())
+            del batch
+        assert len(seen) == 1, seen
+    finally:
+        copy_helper(None)
+        busy.set()
+        helper.shutdown()
+
+
 def pairs(samples: list[dict[str, Any]]) -> Pair:
     """A user's collate: torch's default_collate inside, a dataclass out."""
     from torch.utils.data import default_collate as torch_collate

@@ -80,7 +80,7 @@ def stack(tensors: Sequence[Any]) -> torch.Tensor:
     return torch.stack(tensors, 0)  # type: ignore[arg-type]
 
 
-def copy_helper(executor: Executor) -> None:
+def copy_helper(executor: Executor | None) -> None:
     """Let large stacks collated in this thread share their copying with ``executor``'s.
 
     For a thread that runs torch on one OpenMP thread of its own (the in-process fetch
@@ -103,10 +103,13 @@ def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
     rows: list[torch.Tensor] = list(tensors)
     step = -(-len(rows) // CHUNKS)
     todo = iter(range(0, len(rows), step))  # shared: next() on it is atomic under the GIL
+    job = [(rows, out)]  # emptied when done: an offer the helper never took stays in its queue
+    # (cancelled, until its thread comes round to it) and must not keep the batch's memory
 
     def copy() -> None:
-        for start in todo:
-            torch.stack(rows[start:start + step], 0, out=out[start:start + step])
+        for into_rows, into in job[:1]:
+            for start in todo:
+                torch.stack(into_rows[start:start + step], 0, out=into[start:start + step])
 
     theirs = helper.submit(copy)
     try:
@@ -114,6 +117,7 @@ def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
     finally:
         if not theirs.cancel():
             theirs.result()  # (its error, if any: the caller's plain torch.stack then decides)
+        job.clear()
     return out
 
 
