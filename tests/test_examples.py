@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import select
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,11 +50,42 @@ def run_script(args: list[str], cwd: pathlib.Path, env: dict[str, str],
         out, _ = proc.communicate()
         pytest.fail(f"{args[1:]} did not finish within {timeout} s:\n{out[-3000:]}")
     finally:
-        leftovers = _group_alive(proc.pid)
+        leftovers = _still_alive(_group_alive(proc.pid), GRACE)
         if leftovers:
             os.killpg(proc.pid, signal.SIGKILL)
     assert not leftovers, f"{args[1:]} left processes behind: {leftovers}"
     return proc.returncode, out
+
+
+GRACE = 10.0  # multiprocessing's resource tracker ends when it reads its pipe's EOF, which
+# the script's exit sends: on a busy machine it may still be running as the script is reaped
+
+
+def _still_alive(pids: list[int], grace: float) -> dict[int, str]:
+    """Those of ``pids`` still running after ``grace`` seconds, with their command lines;
+    waited for on their pidfds (they are not our children), not by polling."""
+    fds = {}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds[os.pidfd_open(pid)] = pid
+    try:
+        deadline = time.monotonic() + grace
+        while fds and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(list(fds), [], [], left)
+            for fd in ready:
+                os.close(fd)
+                del fds[fd]
+        return {pid: _cmdline(pid) for pid in fds.values()}
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "(gone)"
 
 
 def _group_alive(pgid: int) -> list[int]:
