@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -103,7 +104,7 @@ class ByteSource:
         """
         if offset < 0:
             raise ValueError(f"offset must be at least 0, got {offset}")
-        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
+        fd = await open_read_only(path)
         source = cls(path, fd, chunk_size)
         if offset:
             try:
@@ -200,3 +201,51 @@ class ByteSource:
                 self._draining = len(out) >= limit
             if out:
                 return out
+
+
+async def open_read_only(path: str) -> int:
+    """``os.open(path, O_RDONLY)`` off the loop; cancelled, it leaves no descriptor open.
+
+    The thread opens the file anyway, perhaps after the loop that waited for it is closed
+    (a loader closed while a next shard opened ahead): whoever comes last of the thread and
+    the cancelled caller closes it, on no loop's callback.
+    """
+    opening = _Opening(path)
+    try:
+        await asyncio.to_thread(opening.run)
+    except BaseException:
+        opening.abandon()
+        raise
+    return opening.take()
+
+
+class _Opening:
+    __slots__ = ("_fd", "_lock", "_path", "_wanted")
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._wanted = True
+
+    def run(self) -> None:
+        """In the thread."""
+        fd = os.open(self._path, os.O_RDONLY)
+        with self._lock:
+            if self._wanted:
+                self._fd = fd
+                return
+        os.close(fd)
+
+    def take(self) -> int:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        assert fd is not None  # run() returned without raising
+        return fd
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._wanted = False
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..pipeline._loads import Retry
+from ._files import open_read_only
 
 Fetch = Callable[[int, int], Awaitable[bytes]]  # bytes [start, end) of the file
 CHUNK = 4 << 20
@@ -68,12 +69,7 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
         """(size, fetch, close) of ``url``."""
         if not is_remote(url):
             path = url.removeprefix("file://")
-            opening = asyncio.ensure_future(asyncio.to_thread(os.open, path, os.O_RDONLY))
-            try:
-                fd = await asyncio.shield(opening)
-            except asyncio.CancelledError:  # the thread opens it anyway: close it then
-                opening.add_done_callback(_close_opened)
-                raise
+            fd = await open_read_only(path)
             size = os.fstat(fd).st_size
 
             async def pread(start: int, end: int) -> bytes:
@@ -96,11 +92,6 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
                 raise translated from exc
 
         return size, cat, lambda: None
-
-
-def _close_opened(opening: asyncio.Future[int]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        os.close(opening.result())
 
 
 class Ahead:
