@@ -372,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 DESCRIPTION = (
     "Run aioloader and torch.utils.data.DataLoader on the same workloads (same num_workers, "
     "same start method, alternating runs, each in a fresh process) and print a side-by-side "
-    "table and the targets aioloader is built to reach (--lag adds a ticker's lag on every workload; "
-    "--workloads first-batch times a fresh loader to its first batch). The 'resume' "
+    "table and the targets aioloader is built to reach (--lag adds a ticker's lag on every "
+    "workload; --workloads first-batch times a fresh loader to its first batch). The 'resume' "
     "workload (--workloads resume) compares resuming an epoch mid-way with torchdata's "
     "StatefulDataLoader instead.")

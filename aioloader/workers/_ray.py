@@ -301,11 +301,7 @@ class RaySupervisor(Supervising[ActorLink]):
         if not old.link.calls:
             await super()._switch(worker_id)
             return
-        self._awaited = worker_id
-        try:
-            await self._read(old)
-        finally:
-            self._awaited = None
+        await self._awaiting(worker_id, self._read(old))
 
     def _took_over(self, new: Actor) -> None:
         if new.phase in _ASKED:

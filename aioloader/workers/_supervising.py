@@ -16,6 +16,7 @@ import contextlib
 import logging
 import pickle
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -258,11 +259,16 @@ class Supervising(Generic[L]):
             elif isinstance(action, Switch):
                 await self._switch(worker_id)
             else:
-                self._awaited = worker_id
-                try:
-                    await self._wait(worker_id)
-                finally:
-                    self._awaited = None
+                await self._awaiting(worker_id, self._wait(worker_id))
+
+    async def _awaiting(self, worker_id: int, wait: Awaitable[None]) -> None:
+        """``wait``, with ``worker_id`` the worker the consumer is known to wait for
+        meanwhile (the one :meth:`heal` judges)."""
+        self._awaited = worker_id
+        try:
+            await wait
+        finally:
+            self._awaited = None
 
     def heal(self, silence: float) -> bool:
         """Nothing was heard for ``silence`` seconds (the loader's ``timeout``) while the
