@@ -184,6 +184,7 @@ def test_unknown_workload_exits_2_with_a_clear_error() -> None:
     ["bench", "--workloads", ","],
     ["bench", "--step-ms", "0"],
     ["bench", "--step-ms", "soon"],
+    ["bench", "--step-threads", "-1"],
     ["frobnicate"],
     [],
 ])
@@ -205,6 +206,18 @@ def test_the_consumer_step_is_calibrated_matmuls(monkeypatch: pytest.MonkeyPatch
     assert calls == []
     consumer_step(3)()
     assert len(calls) == 3
+
+
+def test_the_consumer_step_runs_on_the_threads_asked_and_puts_torchs_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--step-threads 1``: the step's matmuls see one intra-op thread; the caller's own
+    count (its fetches, torch's ``num_workers=0``) is back after each step."""
+    seen: list[int] = []
+    monkeypatch.setattr(torch, "mm", lambda a, b, out: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    consumer_step(2, threads=1)()
+    assert seen == [1, 1]
+    assert torch.get_num_threads() == before
 
 
 def test_torch_pad_collate_matches_pad_collate() -> None:

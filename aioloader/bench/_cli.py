@@ -158,6 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a training step on an accelerator does), calibrated once per "
                         "workload; 'fetch': each workload's step is about what building one "
                         "of its batches costs here (default: no step)")
+    parser.add_argument("--step-threads", type=_at_least(0), default=0, metavar="N",
+                        help="the --step-ms step's matmuls on N of torch's intra-op threads "
+                        "(default 0: torch's count here, every core of a small machine, as a "
+                        "training step on the CPU; 1: one core, as a step on an accelerator "
+                        "leaves the rest free)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write raw results here")
     parser.add_argument("--quick", action="store_true",
                         help="tiny numbers: checks that everything runs, measures nothing "
@@ -222,7 +227,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 batches=batches, face=args.face, loop=args.loop, timeout=float(args.timeout),
                 peers=peers, collate=args.collate, lag=args.lag, worker_nice=args.worker_nice,
                 lag_min_s=LAG_MIN_S / 10 if args.quick else LAG_MIN_S,
-                worker_type=args.worker_type, step_ms=args.step_ms)
+                worker_type=args.worker_type, step_ms=args.step_ms,
+                step_threads=args.step_threads)
     if args.lag and not any(w in WORKLOADS for w in workloads):
         notes.append(f"--lag: no throughput workload to run beside ({', '.join(WORKLOADS)}); "
                      f"{LAG!r} measures image's lag on its own")
@@ -239,6 +245,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               + (", aioloader on Ray workers (beside: on worker processes)"
                  if plan.worker_type == "ray" else "")
               + (f", consumer step: {plan.step_ms} ms" if plan.step_ms is not None else "")
+              + (f" on {plan.step_threads} thread(s)" if plan.step_threads else "")
               + (f", batches/epoch: {per_epoch}" if per_epoch else ""))
     try:
         machine = isolated(Spec(kind="refs", loop=plan.loop), plan.timeout)
@@ -297,7 +304,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        "peers": list(plan.peers), "collate": plan.collate,
                        "lag": plan.lag, "lag_min_s": plan.lag_min_s,
                        "worker_nice": nice, "worker_type": plan.worker_type,
-                       "step_ms": plan.step_ms},
+                       "step_ms": plan.step_ms, "step_threads": plan.step_threads},
             "machine": machine,
             "workloads": raw,
             # --quick judges nothing: its targets carry "passed": null

@@ -63,6 +63,7 @@ class Spec:
     # peers run as they are
     worker_type: str = "process"  # aioloader's: "ray" runs its workers as Ray actors
     step_reps: int = 0  # the consumer's step after each batch: matmuls (``_step``)
+    step_threads: int = 0  # on this many intra-op threads (0: torch's)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -172,7 +173,7 @@ def per_side(spec: Spec, workload: Workload, dataset: Any, *,
 
 
 def _peer_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
-    step = consumer_step(spec.step_reps)
+    step = consumer_step(spec.step_reps, spec.step_threads)
     clock = Clock()
     with open_loader(spec.side, dataset, peer_setup(spec, workload)) as loader:
         _epochs(clock, loader, step)
@@ -181,7 +182,7 @@ def _peer_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
 
 
 def _aio_sync_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
-    step = consumer_step(spec.step_reps)
+    step = consumer_step(spec.step_reps, spec.step_threads)
     clock = Clock()
     with aio_loader(spec, workload, dataset) as loader:
         _epochs(clock, loader, step)
@@ -198,7 +199,7 @@ def _epochs(clock: Clock, loader: Iterable[Any], step: Callable[[], None]) -> No
 
 
 async def _aio_async_epochs(spec: Spec, workload: Workload, dataset: Any) -> Clock:
-    step = consumer_step(spec.step_reps)
+    step = consumer_step(spec.step_reps, spec.step_threads)
     clock = Clock()
     async with aio_loader(spec, workload, dataset) as loader:
         for _ in range(EPOCHS):

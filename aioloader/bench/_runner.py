@@ -52,6 +52,7 @@ class Plan:
     # None: the loader's default
     worker_type: str = "process"  # aioloader's, on the throughput workloads (--worker-type)
     step_ms: float | str | None = None  # --step-ms: ms, "fetch" (each workload's), or none
+    step_threads: int = 0  # --step-threads: the step's intra-op threads (0: torch's)
 
 
 def isolated(spec: Spec, timeout: float) -> Result:
@@ -234,7 +235,7 @@ def run_workload(plan: Plan, workload: str,
                 on_run(side, pair)
             spec = spec_for(plan, workload, side)
             if spec.kind == "throughput":
-                spec = replace(spec, step_reps=reps)
+                spec = replace(spec, step_reps=reps, step_threads=plan.step_threads)
             results.append(isolated(spec, plan.timeout))
     return runs
 
@@ -246,11 +247,12 @@ def step_reps(plan: Plan, workload: str) -> int:
         return 0
     # In a child: torch's OpenMP team started in this process would be forked into every
     # measurement after it.
-    times = isolated_call(_calibrate, (workload, plan.step_ms), plan.timeout,
+    times = isolated_call(_calibrate, (workload, plan.step_ms, plan.step_threads), plan.timeout,
                           f"{workload}'s consumer step")
     one, ms = times["matmul_ms"], times["step_ms"]
     reps = reps_for(ms, one)
-    print(f"  ({workload}: consumer step {reps} matmul(s) of {SIDE}x{SIDE}, "
+    on = f" on {plan.step_threads} thread(s)" if plan.step_threads else ""
+    print(f"  ({workload}: consumer step {reps} matmul(s) of {SIDE}x{SIDE}{on}, "
           f"{reps * one:.2f} ms, for {ms:.2f} ms asked)", file=sys.stderr, flush=True)
     return reps
 
@@ -265,6 +267,7 @@ def default_batches(quick: bool) -> dict[str, int]:
     return batches
 
 
-def _calibrate(workload: str, step_ms: float | str) -> Result:  # pragma: no cover - a child
-    return {"matmul_ms": matmul_ms(), "step_ms": fetch_ms(WORKLOADS[workload])
+def _calibrate(workload: str, step_ms: float | str,
+               threads: int) -> Result:  # pragma: no cover - a child
+    return {"matmul_ms": matmul_ms(threads), "step_ms": fetch_ms(WORKLOADS[workload])
             if step_ms == FETCH else float(step_ms)}

@@ -27,11 +27,10 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def matmul_ms() -> float:
-    """One step matmul's time here, in ms."""
-    a = torch.randn(SIDE, SIDE)
-    out = torch.empty(SIDE, SIDE)
-    return _median_ms(lambda: torch.mm(a, a, out=out), 50)
+def matmul_ms(threads: int = 0) -> float:
+    """One step matmul's time here, in ms, on ``threads`` intra-op threads (0: torch's)."""
+    step = consumer_step(1, threads)
+    return _median_ms(step, 50)
 
 
 def fetch_ms(workload: Workload) -> float:
@@ -53,8 +52,12 @@ def reps_for(ms: float, one: float) -> int:
     return 0 if ms <= 0 else max(1, round(ms / one))
 
 
-def consumer_step(reps: int) -> Callable[[], None]:
-    """The step a measurement runs after each batch: ``reps`` matmuls (nothing for 0)."""
+def consumer_step(reps: int, threads: int = 0) -> Callable[[], None]:
+    """The step a measurement runs after each batch: ``reps`` matmuls (nothing for 0), on
+    ``threads`` of torch's intra-op threads (0: as many as torch has here, every core on a
+    small machine, as a training step on the CPU takes them; 1: one core, as a step that an
+    accelerator runs leaves the others to whoever wants them). The count is set for the
+    step and put back after it, so that torch's ``num_workers=0`` fetches keep theirs."""
     if reps == 0:
         return lambda: None
     a = torch.randn(SIDE, SIDE)
@@ -64,4 +67,15 @@ def consumer_step(reps: int) -> Callable[[], None]:
         for _ in range(reps):
             torch.mm(a, a, out=out)
 
-    return step
+    if threads <= 0:
+        return step
+
+    def on_threads() -> None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            step()
+        finally:
+            torch.set_num_threads(before)
+
+    return on_threads
