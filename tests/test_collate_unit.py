@@ -21,7 +21,13 @@ from torch.utils.data import default_collate as torch_collate
 from aioloader._errors import CollateKeyError
 from aioloader.pipeline._collate import PadCollate, default_collate
 from aioloader.pipeline._recycle import Recycler
-from aioloader.pipeline._stacking import SPLIT_BYTES, copy_helper, new_tensor, use_allocator
+from aioloader.pipeline._stacking import (
+    SPLIT_BYTES,
+    ConsumerWaits,
+    copy_helper,
+    new_tensor,
+    use_allocator,
+)
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -476,13 +482,18 @@ class _Counting(concurrent.futures.ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-def _with_helper(helper: concurrent.futures.Executor, collate: Callable[[], Any]) -> Any:
-    """``collate()`` in a context whose thread has ``helper`` (the fetch thread's set-up)."""
+def _with_helper(helper: concurrent.futures.Executor, collate: Callable[[], Any],
+                 waiting: ConsumerWaits | None = None) -> Any:
+    """``collate()`` in a context whose thread has ``helper`` (the fetch thread's set-up),
+    put back after it."""
 
     def run() -> Any:
-        copy_helper(helper)
-        with use_allocator(Recycler()):
-            return collate()
+        copy_helper(helper, waiting)
+        try:
+            with use_allocator(Recycler()):
+                return collate()
+        finally:
+            copy_helper(None)
 
     return contextvars.copy_context().run(run)
 
@@ -504,6 +515,21 @@ def test_a_large_stack_is_shared_with_the_helper_and_is_the_same_batch() -> None
         assert helper.calls == 1  # under SPLIT_BYTES: all of it here
     assert_same(batch, torch_collate(samples))
     assert_same(small, torch_collate(samples[:8]))
+
+
+def test_the_helper_is_asked_only_while_the_consumer_waits() -> None:
+    """A batch built ahead, while the consumer's own step may hold every core, is copied
+    by this thread alone: a chunk the idle-priority helper began would wait for that step."""
+    samples = _permuted_images(64)
+    waiting = ConsumerWaits(now=False)
+    with _Counting() as helper:
+        ahead = _with_helper(helper, lambda: default_collate(samples), waiting)
+        assert helper.calls == 0
+        waiting.now = True
+        awaited = _with_helper(helper, lambda: default_collate(samples), waiting)
+        assert helper.calls == 1
+    assert_same(ahead, torch_collate(samples))
+    assert_same(awaited, torch_collate(samples))
 
 
 def test_a_stack_that_fails_in_a_chunk_fails_as_torch_stack_does() -> None:

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch.utils.data
 
 from .._info import Patch
 
-__all__ = ["Allocator", "new_tensor", "stack", "use_allocator"]
+__all__ = ["Allocator", "ConsumerWaits", "new_tensor", "stack", "use_allocator"]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """Returns an uninitialised, contiguous CPU tensor of the given shape and dtype."""
@@ -80,16 +81,30 @@ def stack(tensors: Sequence[Any]) -> torch.Tensor:
     return torch.stack(tensors, 0)  # type: ignore[arg-type]
 
 
-def copy_helper(executor: Executor | None) -> None:
+@dataclass(slots=True)
+class ConsumerWaits:
+    """Whether the consumer is waiting for what this thread builds now (set by its
+    producer, read here): the helper is wanted only then. Otherwise the consumer's own step
+    may hold every core, and a chunk the idle-priority helper began waits for that step to
+    end while this thread waits for the chunk (a priority inversion: image batches ahead of
+    a consumer's matmul step came at 0.59x torch's ``num_workers=0`` with the helper, 0.78x
+    without)."""
+
+    now: bool
+
+
+def copy_helper(executor: Executor | None, waiting: ConsumerWaits | None = None) -> None:
     """Let large stacks collated in this thread share their copying with ``executor``'s.
 
     For a thread that runs torch on one OpenMP thread of its own (the in-process fetch
     thread, ``_loads.ops_on_this_thread``): a second OpenMP team would fight the caller's
     for the cores, while a thread of ours sleeps on its queue between batches. A batch of
     permuted images (``decode``: a strided copy, 9.6 MB) took 3.1-3.3 ms on one thread
-    against 2.0-2.4 ms on the caller's two.
+    against 2.0-2.4 ms on the caller's two. ``None``: this thread copies alone.
+    ``waiting``: the helper is asked only while it says the consumer waits.
     """
     _helper.executor = executor
+    _helper.waiting = waiting
 
 
 def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
@@ -98,7 +113,9 @@ def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
     copies). The helper runs at the lowest priority: whatever it has not started when this
     thread runs out of chunks, this thread copies, so at worst it waits for one chunk."""
     helper: Executor | None = getattr(_helper, "executor", None)
-    if helper is None or len(tensors) < 2 or out.nbytes < SPLIT_BYTES:
+    waiting: ConsumerWaits | None = getattr(_helper, "waiting", None)
+    if (helper is None or len(tensors) < 2 or out.nbytes < SPLIT_BYTES
+            or (waiting is not None and not waiting.now)):
         return torch.stack(tensors, 0, out=out)  # type: ignore[arg-type]
     rows: list[torch.Tensor] = list(tensors)
     step = -(-len(rows) // CHUNKS)

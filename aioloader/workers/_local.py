@@ -31,7 +31,12 @@ from ..pipeline._loads import (
 )
 from ..pipeline._pipeline import Batch, BatchOptions, Boundary, InOrder, Pipeline, Step
 from ..pipeline._recycle import MEMORY, MIN_BYTES
-from ..pipeline._stacking import TORCH_COLLATE_IN_THREADS, copy_helper, use_allocator
+from ..pipeline._stacking import (
+    TORCH_COLLATE_IN_THREADS,
+    ConsumerWaits,
+    copy_helper,
+    use_allocator,
+)
 from ..plane._codec import tensors_nbytes
 from ..plans._position import PASS_START, ShardPosition, ShardTracker, StreamPosition
 from ..plans._sources import Kind, Unhooked, aclose, unhooked
@@ -72,6 +77,11 @@ class _InProcess:
         self._skips = skips if skips is not None else SkipLog()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # its helper
+        # Whether the consumer waits for the fetch in progress: only then does the helper
+        # copy (``_stacking.copy_helper``). Batches ahead run while the consumer's step
+        # may hold every core, and a chunk the idle-priority helper began then waits for
+        # that step to end.
+        self.waiting = ConsumerWaits(now=True)
         self.reuse = True  # until a batch shows it has no large tensor
         self._work: Work | None = None
         self._stage: LoadStage | None = None
@@ -97,7 +107,7 @@ class _InProcess:
                 1, thread_name_prefix="aioloader-copy", initializer=_copy_thread)
             self._thread = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="aioloader-local", initializer=_fetch_thread,
-                initargs=(self._copier,))
+                initargs=(self._copier, self.waiting))
         return self._thread.submit(contextvars.copy_context().run, fn, *args)
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
@@ -194,11 +204,11 @@ class _InProcess:
         self.stop_thread()
 
 
-def _fetch_thread(copier: concurrent.futures.Executor) -> None:
+def _fetch_thread(copier: concurrent.futures.Executor, waiting: ConsumerWaits) -> None:
     """The fetch thread's set-up: torch on one OpenMP thread, and large stacks shared with
-    ``copier``'s thread (``_stacking.copy_helper``)."""
+    ``copier``'s thread while the consumer waits for them (``_stacking.copy_helper``)."""
     ops_on_this_thread()
-    copy_helper(copier)
+    copy_helper(copier, waiting)
 
 
 def _copy_thread() -> None:
@@ -280,6 +290,7 @@ class LocalIndex(_InProcess):
         if isinstance(head, PassDone):
             queue.popleft()
             return head
+        self.waiting.now = not head.done()
         try:
             batch = await asyncio.shield(asyncio.wrap_future(head))
         except asyncio.CancelledError:
@@ -287,6 +298,8 @@ class LocalIndex(_InProcess):
         except BaseException:
             queue.popleft()  # raised as the inline fetch would; the next batch is next
             raise
+        finally:
+            self.waiting.now = False
         queue.popleft()
         return self.delivered(batch)
 
