@@ -38,10 +38,10 @@ MEANINGS = {
     "faults_per_batch": "page faults of the consumer's process per batch: fresh memory touched",
     "peak_rss_mb": "how much the consumer's process grew, in MB",
     "data_stall_pct": "loader.stats().data_stall: the share of the time the consumer waited "
-                      "for a batch (aioloader only). This consumer does nothing with its "
-                      "batches, so it is always waiting: near 100 % is expected here and only "
-                      "says that the loader is what is measured. In a training loop, under 5 % "
-                      "means the data keeps up",
+                      "for a batch (aioloader only). Without --step-ms this consumer does "
+                      "nothing with its batches, so it is always waiting: near 100 % is "
+                      "expected then and only says that the loader is what is measured. In a "
+                      "training loop, under 5 % means the data keeps up",
     "lag_p50_ms": "how late a 1 ms timer on the consumer's event loop fired, median: what "
                   "loading blocks of the loop",
     "lag_p99_ms": "the same, 99th percentile",
