@@ -45,3 +45,32 @@ def test_a_call_runs_to_its_end_when_something_else_stops_the_loop() -> None:
         assert portal.call(_after_turns(2)) == 2
     finally:
         portal.close()
+
+
+def test_a_backstop_handed_from_a_thread_the_driver_waits_for_does_not_wait() -> None:
+    """A collection in a thread the driver awaits (a close's reaping thread) finalized a
+    dropped epoch, whose backstop asked the driver to close it and waited: neither wait
+    ended (issue 32's new tests hung 1 run in 4 on it). ``hand`` returns at once; the
+    driver runs the close before it lets go."""
+    portal = Portal()
+    ran: list[str] = []
+    reaped = asyncio.Event()  # the close's wait for its reaping thread, as it were
+
+    async def closing() -> None:  # a dropped epoch's close: it waits for that close
+        await reaped.wait()
+        ran.append("closed")
+
+    def collecting() -> str:
+        portal.hand(closing())  # (``call`` waited here for ``closing``: forever)
+        return "handed"
+
+    async def step() -> str:
+        handed = await asyncio.to_thread(collecting)
+        reaped.set()
+        return handed
+
+    try:
+        assert portal.call(step()) == "handed"
+        assert ran == ["closed"]
+    finally:
+        portal.close()

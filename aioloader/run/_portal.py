@@ -105,6 +105,22 @@ class Portal:
         finally:
             self._let_go()
 
+    def hand(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro``, from any thread, waiting for it only where this thread must drive
+        the loop itself: one driven by another thread runs it before it lets go, a thread
+        loop's runs it in its turn. For the garbage collector's backstops, which run in
+        whatever thread collects: the one driving may be waiting for that very thread (a
+        close waits for its reaping thread, whose collection finalized a dropped epoch that
+        asked the driver to close it: neither wait ended)."""
+        if running_loop() is not None:
+            asyncio.run_coroutine_threadsafe(coro, self._ensure_thread_loop())
+            return
+        with self._cond:
+            if self._driver is not None and self.loop is not None:
+                self._handed.append(asyncio.run_coroutine_threadsafe(coro, self.loop))
+                return
+        self.call(coro)
+
     def _drive(self, coro: Coroutine[Any, Any, T]) -> T:
         if self.loop is None:
             # asyncio's own loop, not uvloop: uvloop sets up its signal wake-up socketpair

@@ -65,7 +65,7 @@ class SyncEpoch(Iterator[Any]):
         self._portal = portal
         self._epoch: Ending | None = epoch
         self.device = device
-        self._backstop = backstop(self, _closed, portal, epoch)
+        self._backstop = backstop(self, _dropped, portal, epoch)
 
     def __next__(self) -> Any:
         epoch = self._epoch
@@ -87,14 +87,18 @@ class SyncEpoch(Iterator[Any]):
 
     def close(self) -> None:
         """Stop the epoch (its workers, unless they are kept), as a generator's close."""
-        if self._epoch is not None:
-            self._epoch = None
-            self._backstop()  # once: a finalizer called is dead
+        epoch, self._epoch = self._epoch, None
+        if epoch is not None:
+            drop_backstop(self._backstop)
+            if running_loop() is not self._portal.loop:  # (never from inside a step)
+                self._portal.call(_aclose(epoch))
 
 
-def _closed(portal: Portal, epoch: AsyncIterator[Any]) -> None:
+def _dropped(portal: Portal, epoch: AsyncIterator[Any]) -> None:
+    """The backstop of an epoch dropped half-way: closed, without waiting where another
+    thread drives the loop (:meth:`Portal.hand`)."""
     if running_loop() is not portal.loop:  # not from inside a step (a GC there)
-        portal.call(_aclose(epoch))
+        portal.hand(_aclose(epoch))
 
 
 async def _anext(it: AsyncIterator[Any], stream: Any = None) -> Any:
