@@ -7,6 +7,7 @@ import pickle
 import reprlib
 import threading
 import types
+from typing import Any
 
 
 class WorkerError(Exception):
@@ -263,12 +264,18 @@ class SourcePicklingError(pickle.PicklingError, TypeError):
 class BatchFailure(Exception):
     """Internal: making one batch raised in its worker, which went on. The run counts the
     batch as handed over and the epoch raises ``error`` in its turn, then goes on with the
-    next batch, as torch's iterator does (issue 32). Never reaches the user itself."""
+    next batch, as torch's iterator does (issue 32). Never reaches the user itself.
 
-    def __init__(self, seq: int, error: BaseException) -> None:
+    A stream's failure says where it lies in its pass (``mark``, for the position) and
+    which slot its worker held for it (``slot``, given back once it is taken)."""
+
+    def __init__(self, seq: int, error: BaseException, mark: Any = None,
+                 slot: int | None = None) -> None:
         super().__init__(seq, error)
         self.seq = seq
         self.error = error
+        self.mark = mark
+        self.slot = slot
 
 
 class FixedOptionError(AttributeError, ValueError):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from resume_sources import Items, SyncReader
+from resume_sources import Items, Stream, SyncReader
 
 import aioloader
 
@@ -77,6 +77,26 @@ def _cow(limit_mb: int) -> dict[str, float]:
 
 
 @pytest.mark.deadline(300)
+@pytest.mark.parametrize("max_batches", [1, 3])
+def test_recycled_stream_workers_start_their_pass_again_after_an_epoch_left_early(
+        max_batches: int) -> None:
+    # persistent workers rewind a stream left early (issue 32); a worker that retires
+    # meanwhile hands the rewind to its successor, asked before its first batch, so that
+    # no successor retires in the pass dropped (before, max_batches=1 recycled forever)
+    def epochs(**kw: int) -> list[list[int]]:
+        with aioloader.DataLoader(Stream(20), batch_size=2, num_workers=2,
+                                  persistent_workers=True, quiet=True, **kw) as loader:
+            out = []
+            for _ in range(3):
+                for k, batch in enumerate(loader):
+                    out.append(batch["i"].tolist())
+                    if k == 1:
+                        break
+            return out + [batch["i"].tolist() for batch in loader]
+
+    assert epochs(max_batches_per_worker=max_batches) == epochs()
+
+
 def test_max_worker_rss_bounds_copy_on_access_growth() -> None:
     """~200 MB of Python objects, read by 2 workers: without a ceiling each worker's own
     memory grows toward its share of them; with max_worker_rss=40 MB it stays under the

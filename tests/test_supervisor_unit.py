@@ -19,6 +19,7 @@ from aioloader.workers._phases import (
     CountDeath,
     Deliver,
     EndPass,
+    EndRewind,
     Phase,
     Raise,
     RestartBudget,
@@ -118,6 +119,36 @@ def test_one_hand_over_at_a_time_the_next_starts_after_the_switch() -> None:
     start_successor(r, then)
     assert not w1.deferred
     assert r.budget.recycles == 2
+
+
+def test_a_rewind_is_answered_after_what_was_sent_before_it() -> None:
+    r = roster()
+    w = r.workers[0]
+    r.on_message(w, batch(0))
+    assert r.rewind(0, 3) == [w]  # asked now
+    r.on_message(w, wire.Rewound(3))
+    r.on_message(w, batch(0, slot=1))  # pass 3's first
+    assert w.rewinding is None  # answered: a successor it starts later is asked nothing
+    assert r.next_step(0) == Deliver(batch(0))  # the pass dropped: the consumer drops it
+    assert r.next_step(0) == EndRewind(wire.Rewound(3))
+    assert r.next_step(0) == Deliver(batch(0, slot=1))
+
+
+def test_a_rewind_asked_of_a_retiring_stream_worker_is_its_successors_to_answer() -> None:
+    # it said Retiring before it saw the rewind: its successor starts where it stopped, in
+    # the pass dropped, and is asked too (now, or as it starts), before its first batch
+    r = roster()
+    w0, w1 = r.workers
+    s0 = start_successor(r, r.on_message(w0, wire.Retiring(POSITION)))
+    assert r.on_message(w1, wire.Retiring(POSITION)) is None  # deferred: not started
+    assert r.rewind(0, 3) == [w0, s0]
+    assert r.rewind(1, 3) == [w1]
+    assert r.next_step(0) == Switch(0)
+    s1 = start_successor(r, r.switched(0))  # w1's, deferred until now
+    assert s1.rewinding == 3  # asked as it starts
+    r.on_message(s0, wire.Rewound(3))
+    assert r.next_step(0) == EndRewind(wire.Rewound(3))
+    assert r.workers[0] is s0 and s0.rewinding is None
 
 
 def test_a_deferred_stream_hand_over_starts_when_the_consumer_reaches_it() -> None:

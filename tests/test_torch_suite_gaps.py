@@ -3,6 +3,9 @@ torch's DataLoader on the same data in the same test."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
 import sys
 from typing import Any
 
@@ -125,3 +128,166 @@ def test_a_datapipe_shuffled_before_its_sharding_filter_is_partitioned_as_torchs
             assert epochs[0] != list(range(40)) and epochs[0] != epochs[1], type(loader)
     finally:
         ours.close()
+
+
+class _Flaky(tud.IterableDataset[int]):
+    """Worker k streams k * 100 + i for i < 7; worker 0's iterator raises ValueError at its
+    pulls 1 (mid-batch) and 4. A class's iterator goes on after raising; a generator
+    (``generator=True``) is over once it raised."""
+
+    def __init__(self, generator: bool = False) -> None:
+        self.generator = generator
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        it = _FlakyIterator(info.id if info is not None else 0)
+        return (x for x in it) if self.generator else it
+
+
+class _FlakyIterator:
+    def __init__(self, worker: int) -> None:
+        self.worker, self.pulls, self.given = worker, 0, 0
+
+    def __iter__(self) -> _FlakyIterator:
+        return self
+
+    def __next__(self) -> int:
+        self.pulls += 1
+        if self.worker == 0 and self.pulls - 1 in (1, 4):
+            raise ValueError(f"bad pull {self.pulls - 1}")
+        if self.given == 7:
+            raise StopIteration
+        self.given += 1
+        return self.worker * 100 + self.given - 1
+
+
+def _failing_at_102(items: list[int]) -> Any:
+    if 102 in items:
+        raise ValueError("bad pull: the collate")
+    return torch.tensor(items)
+
+
+def _outcomes(step: Any, *, stop: type[BaseException] = StopIteration,
+              until_error: bool = False) -> list[Any]:
+    """What a loop that goes on after each error sees: batches, and "ValueError" for an
+    error (of ValueError's type, the worker's message kept) in its place."""
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(step().tolist())
+        except stop:
+            return got
+        except ValueError as err:
+            assert "bad pull" in str(err), repr(err)
+            got.append("ValueError")
+            if until_error:
+                return got
+
+
+async def _async_outcomes(loader: aioloader.DataLoader) -> list[Any]:
+    it = aiter(loader)
+    loop = asyncio.get_running_loop()
+
+    def step() -> Any:
+        return asyncio.run_coroutine_threadsafe(anext(it), loop).result()
+
+    try:
+        return await asyncio.to_thread(_outcomes, step, stop=StopAsyncIteration)
+    finally:
+        await loader.aclose()
+
+
+@pytest.mark.parametrize("face", ["for", "async for"])
+@pytest.mark.parametrize("generator", [False, True])
+def test_a_streams_error_is_one_batchs_and_its_epoch_goes_on_as_torchs(
+        generator: bool, face: str) -> None:
+    # torch's worker sends the exception in that batch's place and goes on: next() raises
+    # it, then the other workers' batches come (and the raising worker's, if its iterator
+    # goes on); ours ended the epoch at the error (issue 32)
+    theirs = _outcomes(iter(tud.DataLoader(_Flaky(generator), batch_size=2,
+                                           num_workers=2)).__next__)
+    ours_loader = aioloader.DataLoader(_Flaky(generator), batch_size=2, num_workers=2)
+    if face == "for":
+        ours = _outcomes(iter(ours_loader).__next__)
+        ours_loader.close()
+    else:
+        ours = asyncio.run(_async_outcomes(ours_loader))
+    assert ours == theirs
+    assert theirs == (["ValueError", [100, 101], [102, 103], [104, 105], [106]] if generator
+                      else ["ValueError", [100, 101], [1, 2], [102, 103], "ValueError",
+                            [104, 105], [3, 4], [106], [5, 6]])
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_a_streams_collate_error_is_one_batchs_as_torchs(worker_type: str) -> None:
+    theirs, ours = (_outcomes(iter(loader).__next__) for loader in (
+        tud.DataLoader(_Flaky(), batch_size=2, num_workers=2, collate_fn=_failing_at_102),
+        aioloader.DataLoader(_Flaky(), batch_size=2, num_workers=2,
+                             collate_fn=_failing_at_102, worker_type=worker_type)))
+    assert ours == theirs
+    assert theirs.count("ValueError") == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_taken_after_a_streams_error_resumes_where_torch_goes_on(
+        num_workers: int) -> None:
+    # the failed batch counts as handed over: the position after it is exactly-once
+    theirs = _outcomes(iter(tud.DataLoader(_Flaky(), batch_size=2,
+                                           num_workers=num_workers)).__next__)
+    first = aioloader.DataLoader(_Flaky(), batch_size=2, num_workers=num_workers)
+    with first:
+        seen = _outcomes(iter(first).__next__, until_error=True)
+        state = first.state_dict()
+    resumed = aioloader.DataLoader(_Flaky(), batch_size=2, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    with resumed:
+        rest = _outcomes(iter(resumed).__next__)
+    assert seen + rest == theirs
+
+
+def _log_init(path: str, worker_id: int) -> None:
+    with open(path, "a") as log:
+        log.write(f"{os.getpid()} {worker_id}\n")
+
+
+class _Ranges(tud.IterableDataset[int]):
+    """Worker k streams k * 100 .. k * 100 + 9, anew for each iter()."""
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        k = info.id if info is not None else 0
+        return iter(range(k * 100, k * 100 + 10))
+
+
+def _three_left_early_then_whole(loader_type: Any, log: str, **options: Any) -> list[Any]:
+    """Three epochs broken after 2 batches, then a whole one, on persistent workers."""
+    loader = loader_type(_Ranges(), batch_size=2, num_workers=2, persistent_workers=True,
+                         worker_init_fn=functools.partial(_log_init, log), **options)
+    try:
+        firsts = []
+        for _ in range(3):
+            for k, batch in enumerate(loader):
+                firsts.append(batch.tolist())
+                if k == 1:
+                    break
+        return [firsts, [batch.tolist() for batch in loader]]
+    finally:
+        if isinstance(loader, aioloader.DataLoader):
+            loader.close()
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_persistent_workers_start_a_stream_again_after_an_epoch_left_early_as_torchs(
+        tmp_path: Any, worker_type: str) -> None:
+    # torch keeps the processes (worker_init_fn once per worker), each calls iter(dataset)
+    # again and the abandoned epoch's batches are dropped; ours restarted the stream's
+    # workers, worker_init_fn and all (issue 32)
+    outcomes = []
+    for loader_type, options in ((tud.DataLoader, {}),
+                                 (aioloader.DataLoader, {"worker_type": worker_type})):
+        log = tmp_path / f"{loader_type.__module__}.log"
+        log.touch()
+        got = _three_left_early_then_whole(loader_type, str(log), **options)
+        outcomes.append([*got, len(log.read_text().splitlines())])
+    assert outcomes[1] == outcomes[0]
+    assert outcomes[0][2] == 2

@@ -19,6 +19,11 @@ messages = st.one_of(
     st.builds(wire.PassEnd, st.integers(0, 64), st.integers(0, 2**31), st.integers(0, 2**31)),
     st.builds(wire.Failed, st.text(), st.text(), st.none() | st.binary()),
     st.builds(wire.Arena, st.integers(1, 64), st.integers(1, 2**40)),
+    st.builds(wire.BatchFailed, st.integers(0, 2**31), st.text(), st.text(),
+              st.none() | st.binary(), st.none() | st.integers(0, 64),
+              st.none() | st.lists(st.integers(0, 2**31), max_size=4)),
+    st.builds(wire.Rewind, st.integers(0, 2**31)),
+    st.builds(wire.Rewound, st.integers(0, 2**31)),
 )
 
 

@@ -30,7 +30,7 @@ from .._errors import CollateKeyError
 from ..plans._batcher import Batcher, Group
 from ..plans._position import PASS_START, BlockStart, Frontier, Mark, ShardPosition
 from ..plans._samplers import BatchSampler
-from ..plans._shard import Shard
+from ..plans._shard import Raised, Shard
 from ..plans._sources import Kind, Unhooked, aclose, as_async, fetch, unhooked
 from ._collate import PadCollate, Unbatched, default_collate
 from ._loads import LoadOptions, LoadStage, Report, SkippedLoad
@@ -55,10 +55,13 @@ class BatchOptions:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """A batch's instances, due to be collated, and where it lies in its pass."""
+    """A batch's instances, due to be collated, and where it lies in its pass; ``error``:
+    the source raised while it was filled, and that error is the batch (its instances are
+    dropped)."""
 
     items: list[Any]
     mark: Mark
+    error: Exception | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +106,20 @@ class ShardPass:
         self.taken += 1
         # A key skipped on error counts for the position, and has nothing to batch.
         item = instance[1] if self.shard.numbered else instance
+        error: Exception | None = None  # the source's, where the batch being filled failed
         if isinstance(item, SkippedLoad):
             groups = []
             if self.shard.numbered:
                 self._loose.append(instance[0])
             self._gap = self.batcher.block
+        elif isinstance(item, Raised):
+            if not self.batcher.streams:  # a block cut whole has no batch of its own to fail
+                raise item.error
+            groups = [self.batcher.fail()]
+            error = item.error
         else:
             groups = self.batcher.feed(instance)
-        steps: list[Step] = self._marked(groups) if groups else []
+        steps: list[Step] = self._marked(groups, error) if groups else []
         if self.batcher.filled == 0:  # a block closed (or has not begun): the next starts here
             block = self.batcher.block
             self.starts[block] = self.shard.mark(block, self.taken)
@@ -121,7 +130,8 @@ class ShardPass:
         """The pass's last batches."""
         return self._marked(self.batcher.finish())
 
-    def _marked(self, groups: list[Group]) -> list[Step]:
+    def _marked(self, groups: list[Group], error: Exception | None = None) -> list[Step]:
+        """``groups`` as batches with their marks; ``error``: the group failed with it."""
         out: list[Step] = []
         for block, index, items, size in groups:
             if block == self._skip_block and index < self._skip:
@@ -133,7 +143,7 @@ class ShardPass:
                 items, self._loose = [x for _, x in items], []
             elif block == self._gap:  # its instances are not the block's first keys in a row
                 mark += [None, True]
-            out.append(Batch(items, mark))
+            out.append(Batch(items, mark, error))
         self.emitted += len(out)
         return out
 
@@ -180,16 +190,19 @@ class Pipeline:
                      bulk=not isinstance(self.collate_fn, Unbatched))
 
     def shard(self, start: BlockStart = PASS_START, frontier: Frontier | None = None,
-              numbered: tuple[int, ...] | None = None) -> Shard:
+              numbered: tuple[int, ...] | None = None, *, batched: bool = False) -> Shard:
         """This pass's shard from ``start``; ``numbered``: its keys go as ``(number, key)``,
-        those delivered (``ShardPosition.keys``) left out."""
+        those delivered (``ShardPosition.keys``) left out. ``batched``: cut into batches
+        here, where a torch IterableDataset's error is one batch's and its iterator goes
+        on (torch's worker loop; a cache's instances have no batch to fail)."""
         skip = None
         if frontier is not None:
             assert self.options is not None, "only a stream of batches is resumed on a new shape"
             skip = frontier.delivered(self.options)
         return Shard(self.source, self.kind, self.data_path, self.worker, self.num_workers,
                      self.rank, self.world_size, start, keys=self.loads is not None,
-                     delivered=skip, numbered=numbered)
+                     delivered=skip, numbered=numbered,
+                     errors_go_on=batched and self.kind is Kind.ITERABLE and self.loads is None)
 
     def numbers_keys(self) -> bool:
         """Whether a stream's keys are numbered, so that a position can say which were
@@ -222,7 +235,7 @@ class Pipeline:
         from ``seed``, the pass's."""
         assert self.options is not None
         numbered = (start.keys or (0,)) if self.numbers_keys() else None
-        shard = self.shard(start.start, start.frontier, numbered)
+        shard = self.shard(start.start, start.frontier, numbered, batched=True)
         cut = ShardPass(shard, self.options, seed, start)
         instances = self.instances(shard, stage, offload)
         if isinstance(instances, Unhooked):

@@ -24,6 +24,7 @@ class Tag(enum.IntEnum):
     # parent -> worker
     RELEASE = 1
     TASK = 2
+    REWIND = 3
     # worker -> parent
     BATCH = 10
     PASS_END = 11
@@ -33,6 +34,7 @@ class Tag(enum.IntEnum):
     RETIRING = 15
     SKIPPED = 16
     BATCH_FAILED = 17
+    REWOUND = 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,15 @@ class Task:
     TAG: ClassVar[Tag] = Tag.TASK
     seq: int
     indices: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Rewind:
+    """Drop the pass under way and read pass ``pass_no`` from its start (persistent
+    workers, a stream's epoch left early): say :class:`Rewound`, then stream that pass."""
+
+    TAG: ClassVar[Tag] = Tag.REWIND
+    pass_no: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,13 +110,29 @@ class Failed:
 @dataclass(frozen=True, slots=True)
 class BatchFailed:
     """Making batch ``seq`` raised (the dataset or the collate); the worker goes on with its
-    next task, as torch's does: the error is that batch's, raised in its turn."""
+    next task, or its stream, as torch's does: the error is that batch's, raised in its turn.
+
+    A stream's failed batch holds ``slot`` as its batch would have (a source that raises
+    on every instance runs no further ahead than one that yields), and its ``mark``, where
+    it lies in its pass; an index batch's has neither (its task bounds it).
+    """
 
     TAG: ClassVar[Tag] = Tag.BATCH_FAILED
     seq: int
     error_repr: str
     traceback: str
     pickled: bytes | None
+    slot: int | None = None
+    mark: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rewound:
+    """The worker dropped its pass for :class:`Rewind`: what it sent before this belongs to
+    the pass dropped, what follows to pass ``pass_no``, from its start."""
+
+    TAG: ClassVar[Tag] = Tag.REWOUND
+    pass_no: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +173,11 @@ class Skipped:
     error: str
 
 
-Message = (Release | Task | Batch | PassEnd | Failed | BatchFailed | Arena | Progress | Retiring
-           | Skipped)
+Message = (Release | Task | Rewind | Batch | PassEnd | Failed | BatchFailed | Rewound | Arena
+           | Progress | Retiring | Skipped)
 _TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (
-    Release, Task, Batch, PassEnd, Failed, BatchFailed, Arena, Progress, Retiring, Skipped)}
+    Release, Task, Rewind, Batch, PassEnd, Failed, BatchFailed, Rewound, Arena, Progress,
+    Retiring, Skipped)}
 
 
 def encode(msg: Message) -> bytes:

@@ -115,6 +115,24 @@ class Batcher:
             self._next_block()
         return out
 
+    @property
+    def streams(self) -> bool:
+        """Batches go out as they fill (no shuffle, no sampler)."""
+        return self._stream
+
+    def fail(self) -> Group:
+        """The batch being filled failed (the source raised while it was due): its
+        instances are dropped and the failure is that batch, as torch's IterableDataset
+        fetcher drops what it had of a batch that raised. It takes the rest of the batch's
+        room, so that a block stays whole batches. Streaming only."""
+        assert self._stream and self._batch_size is not None, "a block is cut whole"
+        self.filled += self._batch_size - len(self._batch)
+        self._batch = []
+        failed = self._streamed()
+        if self.filled == self._capacity:
+            self._next_block()
+        return failed
+
     def finish(self) -> list[Group]:
         """The remaining batches of this pass; resets for the next one."""
         if self._stream:

@@ -6,11 +6,21 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ._position import PASS_START, BlockStart
 from ._sources import Kind, aclose, is_async, is_stateful, open_pass, shard_spec, unhooked
+
+
+@dataclass(frozen=True, slots=True)
+class Raised:
+    """The source's iterator raised ``error`` where an instance was due, and was asked for
+    the next one all the same (:class:`Shard`'s ``errors_go_on``). It takes an instance's
+    raw position: read again, a deterministic source raises there again."""
+
+    error: Exception
 
 
 class Shard:
@@ -19,13 +29,18 @@ class Shard:
     The loader's sharding keeps raw positions ``index, index + count, ...``; the raw
     position after the k-th instance taken is therefore arithmetic, and only the source's
     own state needs asking for at a block start.
+
+    ``errors_go_on``: an exception of the source's (sync) iterator comes as a
+    :class:`Raised` item, and the same iterator is asked again: torch's IterableDataset
+    worker makes the error that batch's and goes on (issue 32); a generator that raised is
+    over, and so is the pass.
     """
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, worker: int,
                  num_workers: int, rank: int, world_size: int,
                  start: BlockStart = PASS_START, *, keys: bool = False,
                  delivered: Callable[[int], bool] | None = None,
-                 numbered: tuple[int, ...] | None = None) -> None:
+                 numbered: tuple[int, ...] | None = None, errors_go_on: bool = False) -> None:
         self.index, self.count = shard_spec(source, kind, worker, num_workers, rank,
                                             world_size)
         # A stream of keys (a load stage follows) runs ahead of the instances loaded: the
@@ -41,8 +56,10 @@ class Shard:
             self._stateful.load_state_dict(start.state)
             skip = 0
         self.skipped = skip  # instances read again and dropped to get back to the start
-        self.stream = _from(open_pass(source, kind, data_path), skip + self.first - self.base,
-                            self.count)
+        opened = open_pass(source, kind, data_path)
+        if errors_go_on and isinstance(opened, Iterator):  # (an IterableDataset's iter())
+            opened = _going_on(opened)
+        self.stream = _from(opened, skip + self.first - self.base, self.count)
         self._kept: Kept | None = None
         if delivered is not None:  # the pass was resumed on another shape: skip its past
             self._kept = Kept(self.first, self.count, delivered, track=numbered is None)
@@ -103,6 +120,20 @@ class Kept:
 
 
 DROP = object()  # what a pick returns for an item left out
+
+
+def _going_on(it: Iterator[Any]) -> Iterator[Any]:
+    """``it``'s items, an exception it raises as a :class:`Raised` item: it is asked for
+    the next one all the same, until it stops."""
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - that instance's error, passed on as data
+            yield Raised(exc)
+            continue
+        yield item
 
 
 def _picked(stream: Iterable[Any] | AsyncIterable[Any], pick: Callable[[int, Any], Any]

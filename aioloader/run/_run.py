@@ -213,11 +213,12 @@ class Run:
         (``persistent_workers=True``, as torch's): a pass of the loader's own, started
         again from its beginning, with nothing resumed."""
         c = self.config
-        # A torch Dataset only: a reader's workers stop when its epoch is left early (the
-        # contract's lifecycle), its persistence is for completed epochs.
-        return (c.kind is Kind.MAP and c.workers.persistent
+        # torch's datasets only: a reader's workers stop when its epoch is left early (the
+        # contract's lifecycle), its persistence is for completed epochs. Ranks that agree
+        # on a stream's steps (even_batches) start it again on new workers.
+        return (c.kind is not Kind.READER and c.workers.persistent
                 and c.batching.batches_per_epoch is None and self._resume is None
-                and session.rewinds())
+                and not self._per_batch[2] and session.rewinds())
 
     async def _finish_pass(self, session: Session, private: bool) -> Session:
         """Take the pass end that an earlier, fully consumed epoch left unasked for."""
@@ -235,12 +236,15 @@ class Run:
 
     async def next(self, session: Session) -> Delivered | BatchFailure | None:
         """The epoch's next batch, counted as handed over; None at the epoch's end. A torch
-        Dataset's batch whose making raised is counted too, and comes as its
-        :class:`BatchFailure`: the epoch raises its error and goes on, as torch's iterator
-        does."""
+        Dataset's (or IterableDataset's) batch whose making raised is counted too, and
+        comes as its :class:`BatchFailure`: the epoch raises its error and goes on, as
+        torch's iterator does."""
         limit, timeout, agree = self._per_batch
         if agree:  # even_batches over a stream
-            even, repeat = await self._even.next(session, self._cursor)
+            try:
+                even, repeat = await self._even.next(session, self._cursor)
+            except BatchFailure as failed:  # the ranks agree step by step: the epoch ends
+                raise failed.error from None
             if even is None:
                 self._pass_end()
                 return None
@@ -252,9 +256,9 @@ class Run:
             try:
                 step = await session.next(timeout)
             except BatchFailure as failed:
-                if self.config.kind is not Kind.MAP:
+                if self.config.kind is Kind.READER:
                     # A reader's epoch ends at its first error (AllenNLP's loader, and the
-                    # contract's lifecycle: its workers stop); torch's Dataset goes on.
+                    # contract's lifecycle: its workers stop); torch's datasets go on.
                     raise failed.error from None
                 self._handed()
                 return failed

@@ -41,6 +41,7 @@ class Channel:
         self.shelf = shelf
         self.pool = SlotPool(slots, name) if shelf is None else RefPool(slots, shelf)
         self.tasks: collections.deque[wire.Task] = collections.deque()
+        self.rewind: int | None = None  # a stream's pass the parent asked to read again
         self.eof = False
         self.last_sent = self.started = time.monotonic()
         self.idle = 0.0  # seconds spent waiting for a slot or a task (telemetry: busy share)
@@ -71,10 +72,20 @@ class Channel:
                     self.pool.returned(msg.slot)
                 elif isinstance(msg, wire.Task):
                     self.tasks.append(msg)
+                elif isinstance(msg, wire.Rewind):
+                    self.rewind = msg.pass_no
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+
+    def poll(self) -> None:
+        """Read what the parent sent, now. A sync source never lets the worker's loop wait
+        until its slots are full, so its socket is read only then: a rewind must be seen
+        before the next batch is sent, or a retiring worker's successor would retire in the
+        pass dropped before it read the rewind asked of it (one recv, no wait)."""
+        if not self.eof:
+            self._on_readable()
 
     async def _until(self, ready: Callable[[], bool]) -> bool:
         """Wait for ``ready()``; False when the parent went away first."""
@@ -93,9 +104,11 @@ class Channel:
             self.idle += time.monotonic() - began
 
     async def slot(self) -> int | None:
-        if not await self._until(lambda: bool(self.pool.free)):
+        """A free slot, reserved; None when the parent went away, or asked for a rewind
+        (what the slot was for belongs to the pass dropped)."""
+        if not await self._until(lambda: bool(self.pool.free) or self.rewind is not None):
             return None
-        return self.pool.reserve()
+        return self.pool.reserve() if self.rewind is None else None
 
     async def closed(self) -> None:
         """Wait for the parent to close us (a worker that said its last word)."""

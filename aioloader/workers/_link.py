@@ -114,4 +114,6 @@ def worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError 
                     else ledger.shelf.errors.pop(msg.seq, None))
     err = rebuilt_error(f"worker {w.id} (pid {w.link.pid})", msg, original, worker_id=w.id,
                         pid=w.link.pid)
-    return BatchFailure(msg.seq, err) if isinstance(msg, wire.BatchFailed) else err
+    if isinstance(msg, wire.BatchFailed):
+        return BatchFailure(msg.seq, err, msg.mark, msg.slot)
+    return err

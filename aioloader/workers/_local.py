@@ -365,7 +365,8 @@ class LocalStream(_InProcess):
                                   rank=rank, world_size=world_size), timed=timed, skips=skips)
         self._shard = ShardTracker(start)
         self._produced = produced
-        self._passes: Unhooked[Event[Delivered]] = unhooked(passes(start, self._pass, seed_for))
+        self._passes: Unhooked[Event[Delivered | BatchFailure]] = unhooked(
+            passes(start, self._pass, seed_for))
 
     def position(self) -> StreamPosition:
         return StreamPosition((self._shard.position,), 0, (0,), self._produced)
@@ -373,9 +374,11 @@ class LocalStream(_InProcess):
     async def _next(self) -> Delivered | PassDone:
         event = await anext(self._passes)
         if isinstance(event, Build):
-            batch: Delivered = event.batch
+            batch: Delivered | BatchFailure = event.batch
             self._shard.delivered(batch.mark)
             self._produced += 1
+            if isinstance(batch, BatchFailure):  # that batch's error: the pass goes on
+                raise batch
             return batch
         assert isinstance(event, PassEnd)  # no retirement here: never a hand-over
         done = PassDone(self._produced == 0)
@@ -383,37 +386,48 @@ class LocalStream(_InProcess):
         self._produced = 0
         return done
 
-    def _pass(self, start: ShardPosition, seed: int) -> Unhooked[Delivered | Boundary]:
+    def _pass(self, start: ShardPosition,
+              seed: int) -> Unhooked[Delivered | BatchFailure | Boundary]:
         return unhooked(self._built(start, seed))
 
     async def _built(self, start: ShardPosition,
-                     seed: int) -> AsyncIterator[Delivered | Boundary]:
+                     seed: int) -> AsyncIterator[Delivered | BatchFailure | Boundary]:
         """One pass's batches, collated (a sync source's read and collated in the thread,
         one hop a batch), inside the pass's load stage; no boundaries (nothing retires
-        here)."""
+        here). A batch whose making raised comes as its :class:`BatchFailure`."""
         stage = await self.enter_stage()
         self._work = steps = self.pipe.batches(start, seed, stage, touch=self.touch,
                                                offload=self.offload)
         try:
             while (got := await self._next_batch(steps)) is not None:
-                yield self.delivered(*got)
+                yield got if isinstance(got, BatchFailure) else self.delivered(*got)
         finally:
             await self.end_pass()
 
-    async def _next_batch(self, steps: Work) -> tuple[Any, Any] | None:
-        """The next (collated batch, mark) of the pass, or None at its end."""
+    async def _next_batch(self, steps: Work) -> tuple[Any, Any] | BatchFailure | None:
+        """The next (collated batch, mark) of the pass, its failure, or None at its end."""
         if isinstance(steps, Unhooked):
             async for step in steps:
                 if isinstance(step, Batch):
-                    return self.collate(step.items), step.mark
+                    return self._made(step)
             return None
         return await self.offload(self._collated, steps)
 
-    def _collated(self, steps: Iterator[Step]) -> tuple[Any, Any] | None:
+    def _collated(self, steps: Iterator[Step]) -> tuple[Any, Any] | BatchFailure | None:
         for step in steps:  # in the thread
             if isinstance(step, Batch):
-                return self.collate(step.items), step.mark
+                return self._made(step)
         return None
+
+    def _made(self, batch: Batch) -> tuple[Any, Any] | BatchFailure:
+        """``batch`` collated, with its mark; or its failure (the source's error, or the
+        collate's), and the pass goes on, as torch's iterator does (issue 32)."""
+        if batch.error is not None:
+            return BatchFailure(-1, batch.error, batch.mark)
+        try:
+            return self.collate(batch.items), batch.mark
+        except Exception as exc:  # noqa: BLE001 - that batch's error: the pass goes on
+            return BatchFailure(-1, exc, batch.mark)
 
     async def aclose(self, grace: float) -> None:
         await aclose(self._passes)

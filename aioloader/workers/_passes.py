@@ -192,31 +192,39 @@ class Seeding:
 
 @dataclass
 class Serving:
-    """A worker once set up: its pipeline, its load stage (entered), its seeding."""
+    """A worker once set up: its pipeline, its load stage (entered), its seeding, and when
+    it retires (counted across its passes, rewound or not)."""
 
     spec: WorkerSpec
     pipe: Pipeline
     stage: LoadStage | None
     seeding: Seeding
+    retirement: Retirement
 
-    def passes(self, touch: Touch | None = None) -> AsyncGenerator[Event[Batch | list[Any]], None]:
-        """The stream's passes (batches), or the one pass of instances (in chunks)."""
+    def passes(self, touch: Touch | None = None, start: ShardPosition | None = None,
+               ) -> AsyncGenerator[Event[Batch | list[Any]], None]:
+        """The stream's passes (batches) from ``start`` (None: where the spec says), or the
+        one pass of instances (in chunks)."""
         spec, pipe, stage = self.spec, self.pipe, self.stage
+        start = start if start is not None else spec.start()
         if spec.plan == "instances":
             def chunks(start: ShardPosition, seed: int) -> Any:
                 return pipe.chunks(start.start, stage, touch=touch)
 
-            return passes(spec.start(), chunks, self.seeding.begin, one_pass=True)
+            return passes(start, chunks, self.seeding.begin, one_pass=True)
 
         def batches(start: ShardPosition, seed: int) -> Any:
             return pipe.batches(start, seed, stage, touch=touch)
 
-        return passes(spec.start(), batches, self.seeding.begin, Retirement(spec.workers))
+        return passes(start, batches, self.seeding.begin, self.retirement)
 
     def making(self, built: Batch | list[Any]) -> tuple[Callable[[], Any], Any]:
         """How a :class:`Build`'s batch becomes the value sent, and its mark: a batch is
-        collated, a chunk of instances goes as it is (no mark)."""
+        collated (one the source failed raises its error), a chunk of instances goes as it
+        is (no mark)."""
         if isinstance(built, Batch):
+            if built.error is not None:
+                return functools.partial(_raise, built.error), built.mark
             return functools.partial(self.pipe.collate, built.items), built.mark
         return lambda: built, None
 
@@ -228,6 +236,10 @@ class Serving:
         if items or self.stage is None:
             return functools.partial(self.pipe.collate, items, indices), None
         return lambda: None, ALL_SKIPPED
+
+
+def _raise(error: Exception) -> Any:
+    raise error
 
 
 @contextlib.asynccontextmanager
@@ -243,4 +255,4 @@ async def serving(spec: WorkerSpec, report: Report) -> AsyncIterator[Serving]:
     async with contextlib.AsyncExitStack() as stack:
         made = pipe.stage(spec.worker_id, report=report)
         stage = await stack.enter_async_context(made) if made is not None else None
-        yield Serving(spec, pipe, stage, seeding)
+        yield Serving(spec, pipe, stage, seeding, Retirement(spec.workers))

@@ -4,10 +4,11 @@ Each worker is one :class:`WorkerState` whose lifecycle is one :class:`Phase`. A
 :class:`Roster` holds a supervisor's workers and changes their phases on events (a wire
 message, an exit, a consumer's request, a switch or restart done) and answers with what to do:
 an action, a small frozen dataclass (:class:`StartSuccessor`, :class:`Switch`, :class:`Raise`,
-:class:`Deliver`, :class:`EndPass`, :class:`Wait`, :class:`CountDeath`). The supervisor
-(aioloader/workers/_supervisor.py) executes the actions and does all the awaiting and I/O around
-them, as httpcore's connection pool does. Nothing here touches a socket, a process or a loop,
-so every transition is tested in-process (tests/test_supervisor_unit.py)::
+:class:`Deliver`, :class:`EndPass`, :class:`EndRewind`, :class:`Wait`, :class:`CountDeath`).
+The supervisor (aioloader/workers/_supervisor.py) executes the actions and does all the
+awaiting and I/O around them, as httpcore's connection pool does. Nothing here touches a
+socket, a process or a loop, so every transition is tested in-process
+(tests/test_supervisor_unit.py)::
 
     STARTING ──started──> RUNNING ──Retiring──> RETIRING ──hand-over──> HANDED_OVER
                              │  └──Failed──> FAILED ──exit──> EXITED       │ drained:
@@ -93,7 +94,8 @@ ALIVE = frozenset({Phase.STARTING, Phase.RUNNING, Phase.RETIRING, Phase.HANDED_O
                    Phase.FAILED})
 
 # What a worker sent, in its order; its exception takes the place of the batch it failed on.
-Inbound: TypeAlias = wire.Batch | wire.PassEnd | wire.Retiring | WorkerError | BatchFailure
+Inbound: TypeAlias = (wire.Batch | wire.PassEnd | wire.Rewound | wire.Retiring | WorkerError
+                      | BatchFailure)
 
 L = TypeVar("L")
 
@@ -107,6 +109,7 @@ class WorkerState(Generic[L]):
     phase: Phase = Phase.STARTING
     inbox: collections.deque[Inbound] = field(default_factory=collections.deque)
     sent: dict[int, list[int]] = field(default_factory=dict)  # index tasks not yet taken
+    rewinding: int | None = None  # a stream's pass asked for again, until it is answered
     retiring: wire.Retiring | None = None  # what it said when it began to retire
     successor: WorkerState[L] | None = None  # started ahead of the hand-over
     died: WorkerDied | None = None  # how it died (LOST)
@@ -168,6 +171,14 @@ class EndPass:
 
 
 @dataclass(frozen=True, slots=True)
+class EndRewind:
+    """The worker dropped its pass for the rewind asked of it: what follows is the pass
+    asked for, from its start."""
+
+    msg: wire.Rewound
+
+
+@dataclass(frozen=True, slots=True)
 class Wait:
     """Nothing to hand over yet: wait for the next event."""
 
@@ -180,7 +191,7 @@ class CountDeath:
     worker_id: int
 
 
-Action: TypeAlias = Raise | Deliver | EndPass | StartSuccessor | Switch | Wait
+Action: TypeAlias = Raise | Deliver | EndPass | EndRewind | StartSuccessor | Switch | Wait
 
 
 # ---------------------------------------------------------------------- transitions
@@ -216,6 +227,8 @@ class Roster(Generic[L]):
                 w.phase = Phase.FAILED
             w.inbox.append(msg)
             return None
+        if isinstance(msg, wire.Rewound):  # answered: a successor it starts asks nothing
+            w.rewinding = None
         if not isinstance(msg, wire.Retiring):  # a batch failed: in its turn too
             w.inbox.append(msg)
             return None
@@ -240,8 +253,10 @@ class Roster(Generic[L]):
         return StartSuccessor(w.id, w.retiring.position)
 
     def add_successor(self, w: WorkerState[L], new: WorkerState[L]) -> None:
-        """``new``, submitted for starting, is ``w``'s successor (:class:`StartSuccessor`)."""
+        """``new``, submitted for starting, is ``w``'s successor (:class:`StartSuccessor`);
+        a rewind ``w`` was asked for and did not answer is ``new``'s to answer."""
         w.successor = new
+        new.rewinding = w.rewinding
 
     def on_exit(self, w: WorkerState[L]) -> CountDeath | None:
         """``w``'s process ended (what it sent before is read): a death to count, or none
@@ -271,6 +286,18 @@ class Roster(Generic[L]):
         w.sent[seq] = indices
         return w.phase is not Phase.HANDED_OVER
 
+    def rewind(self, worker_id: int, pass_no: int) -> list[WorkerState[L]]:
+        """The consumer asks worker ``worker_id``'s stream for pass ``pass_no`` from its start
+        (:class:`EndRewind` once it is answered): the processes to ask. A retiring worker
+        answers no more, so its successor is asked too, now if it is started, else as it
+        starts (:meth:`add_successor`): each successor asked before its first batch, none
+        retires in the pass dropped, and the chain of hand-overs ends."""
+        w = self.workers[worker_id]
+        asked = [w] if w.successor is None else [w, w.successor]
+        for x in asked:
+            x.rewinding = pass_no
+        return asked
+
     def next_step(self, worker_id: int) -> Action:
         """What to do for the consumer, who wants worker ``worker_id``'s next item."""
         w = self.workers[worker_id]
@@ -294,6 +321,8 @@ class Roster(Generic[L]):
                 continue
             if isinstance(msg, wire.PassEnd):
                 return EndPass(msg)
+            if isinstance(msg, wire.Rewound):
+                return EndRewind(msg)
             return Deliver(msg)
         if w.phase is Phase.LOST:  # what it sent before dying was taken first
             return Raise(WorkerLost(worker_id))

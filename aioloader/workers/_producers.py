@@ -24,7 +24,7 @@ from ..plans._position import BlockStart, ShardPosition, ShardTracker, StreamPos
 from ..plans._sources import shard_spec
 from ._phases import WorkerLost
 from ._steps import Delivered, PassDone, Step
-from ._supervising import Ended, Received, Supervising
+from ._supervising import Ended, Received, Rewound, Supervising
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)
 
@@ -219,15 +219,52 @@ class WorkerStream(_OnWorkers):
             except WorkerLost:  # a new process goes on from the last batch taken
                 await self.sup.restart(w, self._shards[w].position)
                 continue
+            except BatchFailure as failed:  # that batch's error, in its turn: w goes on
+                self._waiting = None
+                self._taken(w, failed.mark)
+                raise
             self._waiting = None  # (kept on a timeout: behind() names it)
             if isinstance(got, Ended):
                 self._pending.discard(w)
                 self._shards[w].ended()
                 continue
-            self._shards[w].delivered(got.mark)
-            self._rr = w + 1
-            self._produced += 1
+            assert isinstance(got, Received), f"{got!r} outside a rewind"
+            self._taken(w, got.mark)
             return _delivered(got)
+
+    def _taken(self, w: int, mark: Any) -> None:
+        """Worker ``w``'s batch (or its failure) at ``mark`` is handed over: the next turn
+        is the next worker's."""
+        self._shards[w].delivered(mark)
+        self._rr = w + 1
+        self._produced += 1
+
+    def rewinds(self) -> bool:
+        return self.sup.rewinds_streams
+
+    async def rewind(self, pass_no: int) -> None:
+        """Pass ``pass_no`` from its start, on these workers: each is asked to start it
+        again, and what it sent before it says so is taken and dropped (its slots return),
+        as torch's persistent workers drop what they had fetched for an iterator left early
+        and call ``iter(dataset)`` again. A worker lost meanwhile is replaced at the pass's
+        start."""
+        for w in range(self.n):
+            self.sup.rewind(w, pass_no)
+        start = ShardPosition(pass_no)
+        for w in range(self.n):
+            self._waiting = w
+            while True:
+                try:
+                    if isinstance(await self.sup.receive(w), Rewound):
+                        break
+                except WorkerLost:
+                    await self.sup.restart(w, start)
+                    break
+                except BatchFailure:
+                    continue  # dropped, as its batch would be
+        self._waiting = None
+        self._shards = [ShardTracker(start) for _ in range(self.n)]
+        self._rr, self._pending, self._produced = 0, set(range(self.n)), 0
 
     def behind(self) -> str:
         ids = [self._waiting] if self._waiting is not None else sorted(self._pending)
@@ -303,6 +340,9 @@ class WorkerIndex(_OnWorkers):
                                  f"got {got!r}")
         return got
 
+    def rewinds(self) -> bool:
+        return True
+
     async def rewind(self, pass_no: int) -> None:
         """Pass ``pass_no`` from its start, on these workers: the batches in flight are
         taken and dropped (their slots return to their workers), as torch's persistent
@@ -374,7 +414,8 @@ class WorkerInstances(_OnWorkers):
             self._waiting = None
             if isinstance(got, Ended):
                 self._live.remove(w)
-            else:  # keys skipped on error count for the position, and go no further
+            elif isinstance(got, Received):  # (one pass of instances is never rewound)
+                # keys skipped on error count for the position, and go no further
                 self._bufs[w].extend(x for x in got.value if not isinstance(x, SkippedLoad))
                 self._taken[w] += len(got.value)
         if out:

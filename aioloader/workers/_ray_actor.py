@@ -52,7 +52,7 @@ from ..plane import _wire as wire
 from ..plane._codec import tensors_nbytes
 from ..plans._position import ShardPosition
 from ._failures import described
-from ._passes import Build, PassEnd, Retirement, Serving, serving
+from ._passes import Build, PassEnd, Serving, serving
 from ._spec import WorkerSpec
 
 T = TypeVar("T")
@@ -173,7 +173,6 @@ class RayWorker:
         self.failure: wire.Failed | None = None
         self.stack = contextlib.AsyncExitStack()  # the set-up's: left with the process
         self.serving: Serving | None = None
-        self.retirement = Retirement(spec.workers)  # index batches' (a stream's: its passes')
         self.stage: LoadStage | None = None
         self.replies: AsyncIterator[Reply] | None = None
         self.last: Reply | None = None  # a stream that ended answers with its last word
@@ -248,7 +247,7 @@ class RayWorker:
             items = loading.result() if loading is not None else pipe.fetch(indices)
             make, mark = self.serving.answering(items)
             value = make()
-            retire = self.retirement.batch_done()
+            retire = self.serving.retirement.batch_done()
         except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
             self.failure = _raised(exc)
             return self.failure

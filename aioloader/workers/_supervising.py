@@ -20,7 +20,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .._errors import WorkerError, worker_error_for
+from .._errors import BatchFailure, WorkerError, worker_error_for
 from .._stats import ArenaStats, WorkerStats
 from ..pipeline._loads import SkipLog
 from ..plane import _wire as wire
@@ -29,6 +29,7 @@ from ._phases import (
     ALIVE,
     Deliver,
     EndPass,
+    EndRewind,
     Phase,
     Raise,
     RestartBudget,
@@ -62,7 +63,14 @@ class Ended:
     pass_no: int
 
 
-Arrival = Received | Ended
+@dataclass(frozen=True, slots=True)
+class Rewound:
+    """The worker dropped its pass: what it sends next is pass ``pass_no``, from its start."""
+
+    pass_no: int
+
+
+Arrival = Received | Ended | Rewound
 
 
 class Supervising(Generic[L]):
@@ -120,6 +128,12 @@ class Supervising(Generic[L]):
         """Send ``w`` the task of batch ``seq``: ``indices``."""
         raise NotImplementedError
 
+    rewinds_streams = False  # whether a stream's worker can be asked to start a pass again
+
+    def _rewind(self, w: WorkerState[L], pass_no: int) -> None:
+        """Ask ``w`` to drop its pass and stream pass ``pass_no`` from its start."""
+        raise NotImplementedError
+
     def _took_over(self, new: WorkerState[L]) -> None:
         """``new`` took its retired predecessor's place (:meth:`_switch`): it gets the
         tasks that one did not answer, and is watched."""
@@ -129,8 +143,9 @@ class Supervising(Generic[L]):
         """Batch ``msg``'s value, the consumer's own."""
         raise NotImplementedError
 
-    def _pass_ended(self, w: WorkerState[L], msg: wire.PassEnd) -> None:
-        """``w``'s pass end ``msg`` is handed over: what it held may go."""
+    def _slot_read(self, w: WorkerState[L], slot: int) -> None:
+        """A message of ``w``'s that held ``slot`` and no batch (a pass end, a stream's
+        failed batch) is handed over: the slot may go back."""
 
     async def _wait(self, worker_id: int) -> None:
         """Wait for the next event of worker ``worker_id`` (or of the session)."""
@@ -198,6 +213,14 @@ class Supervising(Generic[L]):
         if self.roster.request(worker_id, seq, indices) and not self.closed:
             self._ask(self.workers[worker_id], seq, indices)
 
+    def rewind(self, worker_id: int, pass_no: int) -> None:
+        """Ask worker ``worker_id``'s stream for pass ``pass_no`` from its start: it says so
+        (:class:`Rewound`, from :meth:`receive`) after what it sent before, which the
+        consumer drops; if it retires first, its successor says so."""
+        for w in self.roster.rewind(worker_id, pass_no):
+            if not self.closed:
+                self._rewind(w, pass_no)
+
     def _fail_cause(self, exc: BaseException) -> None:
         """``exc`` is why the session failed, unless its failure has a cause already."""
         if self.failure is not None and self.failure.__cause__ is None:
@@ -213,7 +236,10 @@ class Supervising(Generic[L]):
         w = self.workers[action.worker_id]
         start = (ShardPosition.from_data(action.position) if action.position is not None
                  else None)  # a stream: the successor goes on from there
-        self.roster.add_successor(w, self._new(w.id, start))
+        new = self._new(w.id, start)
+        self.roster.add_successor(w, new)
+        if new.rewinding is not None:  # it starts in the pass dropped: asked at once
+            self._rewind(new, new.rewinding)
         log.info("%s is retiring (recycle %d); its successor starts", self._named(w),
                  self.budget.recycles)
 
@@ -245,10 +271,14 @@ class Supervising(Generic[L]):
             action = self.roster.next_step(worker_id)
             w = self.workers[worker_id]
             if isinstance(action, Raise):
+                if isinstance(action.error, BatchFailure) and action.error.slot is not None:
+                    self._slot_read(w, action.error.slot)
                 raise action.error
             if isinstance(action, EndPass):
-                self._pass_ended(w, action.msg)
+                self._slot_read(w, action.msg.slot)
                 return Ended(action.msg.pass_no)
+            if isinstance(action, EndRewind):
+                return Rewound(action.msg.pass_no)
             if isinstance(action, Deliver):
                 msg = action.msg
                 value = await self._take(w, msg, lease)

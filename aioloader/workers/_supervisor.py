@@ -253,10 +253,12 @@ class Supervisor(Supervising[Link]):
                 os.close(fd)
         elif isinstance(msg, wire.Skipped):
             self.skips.add(SkippedLoad(msg.key, w.id, msg.attempts, msg.error))
-        elif isinstance(msg, (wire.Batch, wire.PassEnd, wire.Retiring, wire.Failed,
-                              wire.BatchFailed)):
-            if isinstance(msg, (wire.Batch, wire.PassEnd)):
-                w.link.ledger.published(msg.slot)
+        elif isinstance(msg, (wire.Batch, wire.PassEnd, wire.Rewound, wire.Retiring,
+                              wire.Failed, wire.BatchFailed)):
+            slot = msg.slot if isinstance(msg, (wire.Batch, wire.PassEnd, wire.BatchFailed)) \
+                else None  # (an index batch's failure holds none)
+            if slot is not None:
+                w.link.ledger.published(slot)
             inbound: Inbound = msg if not isinstance(msg, (wire.Failed, wire.BatchFailed)) \
                 else worker_error(w, msg)
             action = self.roster.on_message(w, inbound)
@@ -286,8 +288,8 @@ class Supervisor(Supervising[Link]):
     async def _take(self, w: Worker, msg: wire.Batch, lease: bool) -> Any:
         return await w.link.ledger.take(msg.slot, msg.nbytes, msg.tree, lease=lease)
 
-    def _pass_ended(self, w: Worker, msg: wire.PassEnd) -> None:
-        w.link.ledger.skip(msg.slot)
+    def _slot_read(self, w: Worker, slot: int) -> None:
+        w.link.ledger.skip(slot)
 
     async def _wait(self, worker_id: int) -> None:
         assert self._loop is not None, "receive() outside an attached epoch"
@@ -337,6 +339,11 @@ class Supervisor(Supervising[Link]):
 
     def _ask(self, w: Worker, seq: int, indices: list[int]) -> None:
         self._send_to(w, wire.Task(seq, indices))
+
+    rewinds_streams = True
+
+    def _rewind(self, w: Worker, pass_no: int) -> None:
+        self._send_to(w, wire.Rewind(pass_no))
 
     def _send_to(self, w: Worker, msg: wire.Message) -> None:
         if self.closed or not w.link.send(msg):

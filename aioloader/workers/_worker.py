@@ -30,13 +30,14 @@ from typing import Any
 import torch
 
 from ..pipeline._loads import SKIP_REPORT, LoadStage, SkippedLoad
-from ..pipeline._pipeline import InOrder
+from ..pipeline._pipeline import Batch, InOrder
 from ..pipeline._stacking import route_torch_collate_into_arena
 from ..plane import _wire as wire
 from ..plane._dataplane import Shelf
+from ..plans._position import ShardPosition
 from ._channel import Channel
 from ._failures import described
-from ._passes import Build, PassEnd, Retirement, Serving, serving
+from ._passes import Build, Event, PassEnd, Serving, serving
 from ._spec import WorkerSpec
 
 
@@ -221,23 +222,66 @@ def _plain(key: Any) -> Any:
 
 
 async def _run_stream(worker: Serving, chan: Channel) -> None:
-    """The worker's passes (:func:`~aioloader.workers._passes.passes`) over the wire: each
-    batch built into a slot, each pass end in a slot of its own (bounded, even when the
-    pass was empty), a hand-over as the successor's position; until the parent stops us."""
+    """The worker's passes (:func:`~aioloader.workers._passes.passes`) over the wire, until
+    the parent stops us. A :class:`~aioloader.plane._wire.Rewind` drops the pass under way
+    (its iterator closed) and starts the one asked for, as torch's persistent worker calls
+    ``iter(dataset)`` again for a new epoch: the worker and what it set up stay."""
     touch = chan.progress if worker.spec.workers.progress else None
-    async with contextlib.aclosing(worker.passes(touch)) as events:
-        async for event in events:
-            if isinstance(event, Build):
-                if not await chan.emit(event.seq, *worker.making(event.batch)):
-                    return
-            elif isinstance(event, PassEnd):
-                slot = await chan.slot()
-                if slot is None:
-                    return
-                await chan.send(wire.PassEnd(slot, event.pass_no, event.batches))
-            else:
-                await chan.send(wire.Retiring(event.position.to_data()))
+    start = worker.spec.start()
+    while True:
+        async with contextlib.aclosing(worker.passes(touch, start)) as events:
+            said_all = await _send_passes(worker, chan, events)
+        if said_all or chan.rewind is None:
+            break
+        pass_no, chan.rewind = chan.rewind, None
+        await chan.send(wire.Rewound(pass_no))
+        start = ShardPosition(pass_no)
     await chan.closed()  # a hand-over, or instances' one pass: the parent closes us
+
+
+async def _send_passes(worker: Serving, chan: Channel,
+                       events: AsyncIterator[Event[Any]]) -> bool:
+    """Send ``events``: each batch built into a slot, each pass end in a slot of its own
+    (bounded, even when the pass was empty), a hand-over as the successor's position. True
+    once they said all (a hand-over, instances' one pass); False when the parent went away
+    or asked for a rewind (the rest belongs to the pass dropped)."""
+    async for event in events:
+        chan.poll()
+        if chan.rewind is not None:
+            return False
+        if isinstance(event, Build):
+            if not await _emit_built(worker, chan, event):
+                return False
+        elif isinstance(event, PassEnd):
+            slot = await chan.slot()
+            if slot is None:
+                return False
+            await chan.send(wire.PassEnd(slot, event.pass_no, event.batches))
+        else:
+            await chan.send(wire.Retiring(event.position.to_data()))
+    return True
+
+
+async def _emit_built(worker: Serving, chan: Channel, event: Build[Any]) -> bool:
+    """Send one batch of the stream (or chunk of instances); False once the parent is gone.
+
+    A batch whose making raised (the source's error, or the collate's) is that batch's
+    error, in a slot of its own as the batch would be, and the stream goes on, as torch's
+    IterableDataset worker sends the exception in the batch's place and goes on (issue 32).
+    A chunk of instances (a cache) has no batch to fail: its error ends the worker.
+    """
+    make, mark = worker.making(event.batch)
+    if not isinstance(event.batch, Batch):
+        return await chan.emit(event.seq, make, mark)
+    try:
+        return await chan.emit(event.seq, make, mark)
+    except Exception as exc:  # noqa: BLE001 - that batch's error; the stream goes on
+        slot = await chan.slot()
+        if slot is None:
+            return False
+        await chan.send(wire.BatchFailed(event.seq, *described(exc, chan.shelf, event.seq),
+                                         slot, mark))
+        return True
 
 
 async def _run_index(worker: Serving, chan: Channel) -> None:
@@ -250,7 +294,7 @@ async def _run_index(worker: Serving, chan: Channel) -> None:
         await _run_index_loaded(worker, chan, worker.stage)
         return
     pipe = worker.pipe
-    retire = Retirement(worker.spec.workers)
+    retire = worker.retirement
     touch = chan.progress if worker.spec.workers.progress else None
     while True:
         task = await chan.task()
@@ -286,7 +330,7 @@ async def _run_index_loaded(worker: Serving, chan: Channel, stage: LoadStage) ->
     once (the stage's gate bounds them), so loads overlap across batches; batches still go
     out in the order of the tasks."""
     source = worker.spec.source
-    retire = Retirement(worker.spec.workers)
+    retire = worker.retirement
     fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
     try:
         async for task, group in fetches:
