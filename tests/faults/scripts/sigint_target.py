@@ -13,6 +13,7 @@ the reader with the stall switched off.
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +51,10 @@ def epoch_sync(loader: aioloader.DataLoader, report: bool) -> list[int]:
 
 def main() -> None:
     mode = sys.argv[1]
+    # Ctrl-C in a terminal raises KeyboardInterrupt; a test run started in the background
+    # of a non-interactive shell (`bash .ci/run &`) hands SIGINT down ignored, and Python
+    # then installs no handler: the SIGINT would do nothing and the script run on.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # Each worker keeps every other instance: by instance STALL_AT both have sent a batch of
     # 4, so the report (after 4 instances) comes before any worker stalls.
     reader = SlowReader(N, delay=0.002, stall_at=STALL_AT, stall=3600.0)
