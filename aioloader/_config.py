@@ -198,6 +198,12 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     a = check_each(kind, data_path, arguments)
     check_rules(kind, data_path, a)
     if isinstance(reader, IterDataPipe):
+        if a["worker_type"] == "thread" and a["num_workers"] > 1:
+            raise ValueError(
+                f"worker_type='thread' with num_workers={a['num_workers']} cannot read an "
+                "IterDataPipe: a datapipe allows one iterator at a time and thread workers "
+                "share the one object. Use worker_type='process' (each worker reads its own "
+                "copy, as torch's workers do) or num_workers=1")
         # torch hands shuffle to a datapipe's own Shuffler nodes and streams the datapipe;
         # it is never read into memory to be shuffled whole (test_dataloader.py's
         # test_multiprocessing_iterdatapipe)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -98,6 +99,34 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, n: int) -> None:
                 loader.close()
             results[name] = {"indices": [i for b in batches for i in b["index"].tolist()],
                              "batches": len(batches)}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def datapipe_main(rank: int, world: int, port: int, out_dir: str, n: int) -> None:
+    """Torch's loader and ours on a datapipe with a ``sharding_filter``, on this rank, with
+    0, 1 and 2 workers: what each yields, in order (ours with and without even_batches)."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results: dict[str, dict[str, list[int]]] = {}
+        for workers in (0, 1, 2):
+            results[str(workers)] = {}
+            makers = {"torch": DataLoader,
+                      "ours": functools.partial(aioloader.DataLoader, even_batches=False),
+                      "ours_even": aioloader.DataLoader}
+            for name, make in makers.items():
+                loader = make(IterableWrapper(list(range(n))).sharding_filter(),
+                              batch_size=None, num_workers=workers)
+                try:
+                    results[str(workers)][name] = [int(i) for i in loader]
+                finally:
+                    getattr(loader, "close", lambda: None)()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:

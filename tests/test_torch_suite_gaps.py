@@ -110,6 +110,19 @@ def test_a_datapipes_sharding_filter_splits_it_between_workers_as_torchs(
     assert ours == theirs
 
 
+def test_thread_workers_refuse_a_datapipe_at_construction() -> None:
+    # a datapipe allows one iterator at a time: two thread workers sharing it failed with
+    # torch's "iterator has been invalidated" from inside the epoch
+    pipe = IterableWrapper(list(range(10))).sharding_filter()
+    with pytest.raises(ValueError, match="worker_type='process'"):
+        aioloader.DataLoader(pipe, batch_size=None, num_workers=2, worker_type="thread")
+    loader = aioloader.DataLoader(pipe, batch_size=None, num_workers=1, worker_type="thread")
+    try:
+        assert [int(i) for i in loader] == list(range(10))
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("num_workers", [2, 3])
 def test_a_datapipe_shuffled_before_its_sharding_filter_is_partitioned_as_torchs(
         num_workers: int) -> None:

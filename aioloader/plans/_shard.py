@@ -56,7 +56,7 @@ class Shard:
             self._stateful.load_state_dict(start.state)
             skip = 0
         self.skipped = skip  # instances read again and dropped to get back to the start
-        opened = open_pass(source, kind, data_path)
+        opened = open_pass(source, kind, data_path, worker, num_workers, rank, world_size)
         if errors_go_on and isinstance(opened, Iterator):  # (an IterableDataset's iter())
             opened = _going_on(opened)
         self.stream = _from(opened, skip + self.first - self.base, self.count)

@@ -18,10 +18,9 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch.utils.data
 from torch.utils.data import IterDataPipe
-from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torch.utils.data.graph_settings import apply_sharding
 
-from .._info import get_worker_info, in_worker_process
+from .._info import in_worker_process
 
 T = TypeVar("T")
 
@@ -76,11 +75,13 @@ def classify(source: Any) -> Kind:
         "torch.utils.data.IterableDataset")
 
 
-def open_pass(source: Any, kind: Kind, data_path: Any) -> Iterable[Any] | AsyncIterable[Any]:
-    """The instances of one pass over a streaming source."""
+def open_pass(source: Any, kind: Kind, data_path: Any, worker: int = 0, num_workers: int = 0,
+              rank: int = 0, world_size: int = 1) -> Iterable[Any] | AsyncIterable[Any]:
+    """The instances of one pass over a streaming source, by worker ``worker`` of
+    ``num_workers`` on rank ``rank`` of ``world_size``."""
     if kind is Kind.ITERABLE:
         if isinstance(source, IterDataPipe):
-            _shard_datapipe(source)
+            _shard_datapipe(source, worker, num_workers, rank, world_size)
         it: Iterable[Any] = iter(source)
         return it
     stream: Iterable[Any] | AsyncIterable[Any] = source.read(data_path)
@@ -101,13 +102,19 @@ def is_stateful(source: Any) -> bool:
         getattr(source, "load_state_dict", None))
 
 
-def _shard_datapipe(source: IterDataPipe[Any]) -> None:
-    """torch's worker loop: a datapipe's ``sharding_filter`` keeps this worker's share.
-    Without it every worker read the whole datapipe, each instance ``num_workers`` times
-    (torch's test_dataloader.py, test_shuffler_iterdatapipe)."""
-    info = get_worker_info()
-    if info is not None and info.num_workers > 1 and in_worker_process():
-        apply_sharding(source, info.num_workers, info.id, SHARDING_PRIORITIES.MULTIPROCESSING)
+def _shard_datapipe(source: IterDataPipe[Any], worker: int, num_workers: int, rank: int,
+                    world_size: int) -> None:
+    """A datapipe's ``sharding_filter`` keeps this reader's share, as torch's DataLoader
+    sets it: ranks first, then workers (``worker * world_size + rank`` of
+    ``num_workers * world_size``, torch's ``_sharding_worker_init_fn``; ``rank`` of
+    ``world_size`` without workers). Without it every worker (every rank) read the whole
+    datapipe (torch's test_dataloader.py, test_shuffler_iterdatapipe). Thread workers share
+    the one datapipe, whose sharding is a setting of the object: they are refused it at
+    construction."""
+    if num_workers > 1 and not in_worker_process():
+        return
+    workers = max(num_workers, 1)
+    apply_sharding(source, workers * world_size, worker * world_size + rank)
 
 
 def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int,
