@@ -290,7 +290,10 @@ class LocalIndex(_InProcess):
         if isinstance(head, PassDone):
             queue.popleft()
             return head
-        self.waiting.now = not head.done()
+        if head.done():  # built ahead: no trip through the loop (a wake-up, 3 callbacks)
+            queue.popleft()
+            return self.delivered(head.result())
+        self.waiting.now = True
         try:
             batch = await asyncio.shield(asyncio.wrap_future(head))
         except asyncio.CancelledError:
