@@ -14,14 +14,14 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from aioloader._errors import LoaderClosedError, WorkerDied  # noqa: E402
+from aioloader._errors import BatchFailure, LoaderClosedError, WorkerDied  # noqa: E402
 from aioloader.plane import _wire as wire  # noqa: E402
 from aioloader.plans._position import ShardPosition  # noqa: E402
 from aioloader.workers import _ray, _ray_cluster  # noqa: E402
 from aioloader.workers._phases import Phase, RestartBudget, WorkerLost  # noqa: E402
 from aioloader.workers._ray import RaySupervisor  # noqa: E402
 from aioloader.workers._ray_actor import Built, Hello, PassOver, Retire  # noqa: E402
-from aioloader.workers._supervising import Ended, Received  # noqa: E402
+from aioloader.workers._supervising import Ended, Received, Rewound  # noqa: E402
 
 pytestmark = pytest.mark.deadline(30)
 
@@ -64,12 +64,16 @@ class Actor:
         self.worker_id, self.start = worker_id, start
         self.calls: list[tuple[str, tuple[Any, ...], Ref]] = []
         self._actor_id = types.SimpleNamespace(hex=lambda: f"actor{id(self):x}")
-        self.hello, self.next, self.fetch = (Method(self, n) for n in ("hello", "next",
-                                                                        "fetch"))
+        self.hello, self.next, self.fetch, self.rewind = (
+            Method(self, n) for n in ("hello", "next", "fetch", "rewind"))
         self.killed = False
 
     def asked(self, name: str) -> list[tuple[tuple[Any, ...], Ref]]:
         return [(args, ref) for n, args, ref in self.calls if n == name]
+
+    def numbered(self) -> list[tuple[str, int]]:
+        """Its calls but hello, with the number that sets their order in the actor."""
+        return [(n, args[0]) for n, args, _ in self.calls if n != "hello"]
 
 
 @pytest.fixture
@@ -215,3 +219,54 @@ async def test_a_hung_actor_is_killed_and_its_death_healed(actors: list[Actor]) 
     sup.close(0.0)
     with pytest.raises(LoaderClosedError):
         await sup.receive(0)
+
+
+async def rewinding(actors: list[Actor]) -> tuple[RaySupervisor, Actor, list[Ref]]:
+    """A stream's actor, asked to rewind to pass 3 with its first two calls in flight."""
+    sup = supervisor(actors, "stream")
+    await started(sup)
+    calls = [ref for _, ref in actors[0].asked("next")]
+    sup.rewind(0, 3)
+    return sup, actors[0], calls
+
+
+async def test_a_streams_failed_batch_and_its_rewind_are_the_roster_events_of_a_process(
+        actors: list[Actor]) -> None:
+    # issue 32 on Ray: a failed batch is raised in its turn and the stream goes on; a
+    # rewind is a call in turn after those in flight (their replies are the pass dropped),
+    # answered Rewound as a process worker answers its Rewind
+    sup, actor, (first, second) = await rewinding(actors)
+    assert actor.numbered() == [("next", 0), ("next", 1), ("rewind", 2)]
+    assert actor.asked("rewind")[0][0] == (2, 3)
+    first.answer(built(0, "dropped"))
+    second.answer(wire.BatchFailed(1, "ValueError('bad')", "Traceback: ...", None, None,
+                                   [0, 1]))
+    actor.asked("rewind")[0][1].answer(wire.Rewound(3))
+    assert await sup.receive(0) == Received("dropped", 0, None, 0)
+    with pytest.raises(BatchFailure) as failed:
+        await sup.receive(0)
+    assert "raised ValueError('bad')" in str(failed.value.error)
+    assert failed.value.mark == [0, 1] and sup.failure is None  # the session goes on
+    assert await sup.receive(0) == Rewound(3)
+    assert sup.workers[0].rewinding is None
+    assert actor.numbered()[3:] == [("next", 3), ("next", 4)]  # pass 3's, topped up
+    sup.close(0.0)
+
+
+async def test_a_rewind_is_the_first_call_of_a_retiring_actors_successor(
+        actors: list[Actor]) -> None:
+    # it retired in the pass dropped before it reached the rewind: its successor is asked
+    # the rewind before any batch, so that it cannot retire in that pass too (with
+    # max_batches_per_worker=1 every successor would, for ever)
+    sup, old, (first, _) = await rewinding(actors)
+    first.answer(Retire(ShardPosition(0, batches=1)))
+    receiving = asyncio.ensure_future(sup.receive(0))
+    await until(lambda: len(actors) == 2)
+    new = actors[1]
+    assert new.numbered() == [("rewind", 0), ("next", 1)]  # then pass 3's calls
+    assert new.asked("rewind")[0][0] == (0, 3)
+    new.asked("rewind")[0][1].answer(wire.Rewound(3))
+    assert await receiving == Rewound(3)
+    assert sup.workers[0].link.handle is new and old.killed
+    assert new.numbered() == [("rewind", 0), ("next", 1), ("next", 2)]
+    sup.close(0.0)

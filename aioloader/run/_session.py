@@ -53,10 +53,8 @@ class Producer(Protocol):
 @runtime_checkable
 class Rewinds(Protocol):
     """A producer that can start a pass again without new workers: what was in flight is
-    taken and dropped, so every worker's slots come back (``rewinds()``: whether its
-    workers can, a stream's on Ray cannot)."""
+    taken and dropped, so every worker's slots come back."""
 
-    def rewinds(self) -> bool: ...
     async def rewind(self, pass_no: int) -> None: ...
 
 
@@ -117,8 +115,7 @@ class Session:
 
     def rewinds(self) -> bool:
         """Whether the producer can start a pass again on the workers it has."""
-        return (isinstance(self.producer, Rewinds) and self.producer.rewinds()
-                and not self.closed)
+        return isinstance(self.producer, Rewinds) and not self.closed
 
     async def rewind(self, pass_no: int, timeout: float | None = None) -> None:
         """Start pass ``pass_no`` from its beginning on the same workers (persistent

@@ -17,7 +17,7 @@ from ..plane import _wire as wire
 from ..plane._dataplane import Ledger, RefLedger
 from ._phases import WorkerState
 from ._starting import Handle, Launch, close_parent
-from ._supervising import rebuilt_error
+from ._supervising import told_error
 
 
 @dataclass(eq=False)
@@ -112,8 +112,5 @@ def worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError 
     if isinstance(ledger, RefLedger):
         original = (ledger.shelf.error if isinstance(msg, wire.Failed)
                     else ledger.shelf.errors.pop(msg.seq, None))
-    err = rebuilt_error(f"worker {w.id} (pid {w.link.pid})", msg, original, worker_id=w.id,
-                        pid=w.link.pid)
-    if isinstance(msg, wire.BatchFailed):
-        return BatchFailure(msg.seq, err, msg.mark, msg.slot)
-    return err
+    return told_error(f"worker {w.id} (pid {w.link.pid})", msg, original, worker_id=w.id,
+                      pid=w.link.pid)

@@ -239,9 +239,6 @@ class WorkerStream(_OnWorkers):
         self._rr = w + 1
         self._produced += 1
 
-    def rewinds(self) -> bool:
-        return self.sup.rewinds_streams
-
     async def rewind(self, pass_no: int) -> None:
         """Pass ``pass_no`` from its start, on these workers: each is asked to start it
         again, and what it sent before it says so is taken and dropped (its slots return),
@@ -339,9 +336,6 @@ class WorkerIndex(_OnWorkers):
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
                                  f"got {got!r}")
         return got
-
-    def rewinds(self) -> bool:
-        return True
 
     async def rewind(self, pass_no: int) -> None:
         """Pass ``pass_no`` from its start, on these workers: the batches in flight are

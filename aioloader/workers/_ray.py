@@ -8,6 +8,7 @@ unchanged; what differs is the transport::
     producer ── receive(w) ──> RaySupervisor ── await ObjectRef ──> actor w (RayWorker)
                 request(w, seq, indices) ─── fetch.remote(seq, indices) ──┘  (index batches)
                 at most ``slots`` calls in flight per actor ── next.remote() ┘  (streams)
+                rewind(w, pass_no) ─── rewind.remote(pass_no) ───────────┘  (a stream left early)
 
 Each actor (aioloader/workers/_ray_actor.py) runs the worker's pipeline where Ray placed it and
 returns whole batches; a batch reaches this process through Ray's object store, its
@@ -24,8 +25,9 @@ started on a thread that lives as long as the process (see :func:`_on_init_threa
 The actors are workers on the :class:`~aioloader.workers._phases.Roster` that process
 workers use, and the consumer's side is theirs too
 (:class:`~aioloader.workers._supervising.Supervising`): each reply becomes the Roster event
-a process worker's message is (a batch, a pass end, a hand-over, an error), and a Ray error
-on a call is the actor's exit. So recycling, deaths, hangs and the budget follow one table.
+a process worker's message is (a batch, a pass end, a hand-over, an error, one batch's
+error, a rewind's answer), and a Ray error on a call is the actor's exit. So recycling,
+deaths, hangs, a stream's failed batches and persistent workers' rewinds follow one table.
 
 Faults: a call of a dead actor (or one whose batch was lost with its node) raises Ray's
 error: the actor's exit, and a death the Roster counts. It becomes a
@@ -65,7 +67,7 @@ from ._ray_cluster import (
     wait_and_drop,
 )
 from ._spec import WorkerSpec
-from ._supervising import Supervising, rebuilt_error, worker_stats
+from ._supervising import Supervising, told_error, worker_stats
 
 log = logging.getLogger("aioloader")
 
@@ -151,10 +153,12 @@ class RaySupervisor(Supervising[ActorLink]):
                 "worker_init_fn picklable with cloudpickle") from exc
         self._cls = ray.remote(RayWorker).options(**self._options())
 
-    def _new(self, worker_id: int, start: ShardPosition | None) -> Actor:
+    def _new(self, worker_id: int, start: ShardPosition | None, *,
+             ahead: bool = True) -> Actor:
         handle = self._cls.remote(self._spec_ref, worker_id, start)
         w = WorkerState(worker_id, ActorLink(handle, handle.hello.remote()))
-        self._top_up(w)  # a stream's first batches are built while the others start
+        if ahead:  # a stream's first batches are built while the others start
+            self._top_up(w)
         return w
 
     async def _up(self, w: Actor) -> None:
@@ -224,6 +228,16 @@ class RaySupervisor(Supervising[ActorLink]):
     def _ask(self, w: Actor, seq: int, indices: list[int]) -> None:
         w.link.calls.append(w.link.handle.fetch.remote(w.link.number(), seq, indices))
 
+    def _rewind(self, w: Actor, pass_no: int) -> None:
+        """A call of its own, after the calls in flight (their replies belong to the pass
+        dropped: the consumer drops them), then the stream's calls again. An actor handed
+        over is asked nothing: its successor answers (``Roster.rewind``), the rewind its
+        first call."""
+        if self.closed or w.phase not in _ASKED:
+            return
+        w.link.calls.append(w.link.handle.rewind.remote(w.link.number(), pass_no))
+        self._top_up(w)
+
     async def _wait(self, worker_id: int) -> None:
         w = self.workers[worker_id]
         if not w.link.calls:
@@ -255,9 +269,12 @@ class RaySupervisor(Supervising[ActorLink]):
         """``w``'s ``reply``, as the Roster's message."""
         for s in getattr(reply, "skipped", ()):
             self.skips.add(SkippedLoad(s.key, w.id, s.attempts, s.error))
-        if isinstance(reply, wire.Failed):
-            self.roster.on_message(w, rebuilt_error(self._named(w), reply, worker_id=w.id,
-                                                    pid=w.link.pid))
+        if isinstance(reply, (wire.Failed, wire.BatchFailed)):  # (a stream's batch: it goes on)
+            self.roster.on_message(w, told_error(self._named(w), reply, worker_id=w.id,
+                                                 pid=w.link.pid))
+            return
+        if isinstance(reply, wire.Rewound):
+            self.roster.on_message(w, reply)
             return
         if isinstance(reply, Retire):  # a stream's hand-over: later calls are the successor's
             w.link.calls.clear()

@@ -3,8 +3,10 @@
 A process worker pushes batches into its arena as fast as its slots allow; a Ray actor is
 pulled instead. The parent (aioloader/workers/_ray.py) keeps at most ``slots`` calls in flight per
 actor, and each call returns one reply: a batch built where the actor runs, a pass end, a
-hand-over (recycling) or the worker's exception. The calls in flight are the backpressure:
-no batch is built that nobody asked for.
+hand-over (recycling), a stream's failed batch (its error, and the stream goes on) or the
+worker's exception; a ``rewind`` call answers ``Rewound`` once the stream starts its pass
+again (persistent workers, an epoch left early), as a process worker answers ``Rewind``.
+The calls in flight are the backpressure: no batch is built that nobody asked for.
 
 The parent numbers its calls to each actor, and the actor serves them in that order, one
 at a time. Ray does not do it for us: calls submitted in order from one thread to a plain
@@ -39,7 +41,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -51,6 +53,7 @@ from ..pipeline._pipeline import Batch
 from ..plane import _wire as wire
 from ..plane._codec import tensors_nbytes
 from ..plans._position import ShardPosition
+from ..plans._sources import aclose
 from ._failures import described
 from ._passes import Build, PassEnd, Serving, serving
 from ._spec import WorkerSpec
@@ -91,7 +94,9 @@ class Retire:
     skipped: tuple[SkippedLoad, ...] = ()
 
 
-Reply = Built | PassOver | Retire | wire.Failed  # (the worker's exception, as a process's)
+# The worker's exception, a stream's failed batch and a rewind's answer are a process's
+# wire messages.
+Reply = Built | PassOver | Retire | wire.Failed | wire.BatchFailed | wire.Rewound
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +179,7 @@ class RayWorker:
         self.stack = contextlib.AsyncExitStack()  # the set-up's: left with the process
         self.serving: Serving | None = None
         self.stage: LoadStage | None = None
-        self.replies: AsyncIterator[Reply] | None = None
+        self.replies: AsyncGenerator[Reply, None] | None = None
         self.last: Reply | None = None  # a stream that ended answers with its last word
         _carry_tensors_out_of_band()
         try:  # a process worker's set-up (``serve``), on the actor's loop
@@ -238,6 +243,9 @@ class RayWorker:
 
     def _fetch(self, seq: int, indices: list[int],
                loading: Future[list[Any]] | None = None) -> Reply:
+        """Batch ``seq``, built. Its dataset's or collate's error is that batch's and the
+        next call's batch follows, as a process worker's (``_worker._run_index``) and
+        torch's; with a load stage, it ends the worker, as it ends a process's."""
         if self.failure is not None:
             return self.failure
         assert self.serving is not None
@@ -249,6 +257,8 @@ class RayWorker:
             value = make()
             retire = self.serving.retirement.batch_done()
         except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
+            if loading is None:  # that batch's: not counted for recycling, as a process's
+                return wire.BatchFailed(seq, *described(exc, None))
             self.failure = _raised(exc)
             return self.failure
         finally:
@@ -281,20 +291,59 @@ class RayWorker:
         self.last = reply
         return reply
 
-    async def _stream(self) -> AsyncIterator[Reply]:
-        """The worker's passes (:func:`~aioloader.workers._passes.passes`) as replies; the
-        stream ends after a hand-over, or after the one pass of instances."""
+    async def rewind(self, call: int, pass_no: int) -> Reply:
+        """Drop the stream's pass under way and start pass ``pass_no`` from its beginning
+        (call ``call``, in its turn after the calls made before it, whose batches the parent
+        drops): :class:`~aioloader.plane._wire.Rewound`, as a process worker answers its
+        ``Rewind``. The source's iterator is closed and ``iter(dataset)`` called again, as
+        torch's persistent worker does for a new epoch; the actor and its set-up stay."""
+        return await self._in_turn(call, self._rewind, pass_no)
+
+    def _rewind(self, pass_no: int) -> Reply:
+        if self.failure is not None:
+            return self.failure
+        if isinstance(self.last, Retire):  # handed over: its successor answers the rewind
+            return self.last
+        began = time.monotonic()
+        try:
+            if self.replies is not None:
+                self._run(aclose(self.replies))
+        except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
+            self.failure = _raised(exc)
+            return self.failure
+        finally:
+            self.clock.busy += time.monotonic() - began
+        self.replies = self._stream(ShardPosition(pass_no))
+        return wire.Rewound(pass_no)
+
+    async def _stream(self, start: ShardPosition | None = None) -> AsyncGenerator[Reply, None]:
+        """The worker's passes (:func:`~aioloader.workers._passes.passes`) from ``start``
+        (None: where the spec says) as replies; the stream ends after a hand-over, or after
+        the one pass of instances."""
         assert self.serving is not None
-        async with contextlib.aclosing(self.serving.passes()) as events:
+        async with contextlib.aclosing(self.serving.passes(None, start)) as events:
             async for event in events:
                 if isinstance(event, Build):
-                    make, mark = self.serving.making(event.batch)
-                    value = make()  # (a chunk of instances: no tensor bytes counted)
-                    nbytes = tensors_nbytes(value) if isinstance(event.batch, Batch) else 0
-                    yield Built(event.seq, mark, value, nbytes, self.clock.busy,
-                                skipped=self._taken_skips())
+                    yield self._built(event)
                 elif isinstance(event, PassEnd):
                     yield PassOver(event.pass_no, event.batches, self.clock.busy,
                                    self._taken_skips())
                 else:
                     yield Retire(event.position, self._taken_skips())
+
+    def _built(self, event: Build[Any]) -> Built | wire.BatchFailed:
+        """A stream's batch (or chunk of instances), built. A batch whose making raised
+        (the source's error, or the collate's) is that batch's error, and the stream goes
+        on, as a process worker's (``_worker._emit_built``) and torch's (issue 32); a chunk
+        of instances has no batch to fail: its error ends the worker."""
+        assert self.serving is not None
+        make, mark = self.serving.making(event.batch)
+        if not isinstance(event.batch, Batch):
+            return Built(event.seq, mark, make(), 0, self.clock.busy,
+                         skipped=self._taken_skips())
+        try:
+            value = make()
+        except Exception as exc:  # noqa: BLE001 - that batch's error; the stream goes on
+            return wire.BatchFailed(event.seq, *described(exc, None), None, mark)
+        return Built(event.seq, mark, value, tensors_nbytes(value), self.clock.busy,
+                     skipped=self._taken_skips())

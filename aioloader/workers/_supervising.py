@@ -18,7 +18,7 @@ import pickle
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from .._errors import BatchFailure, WorkerError, worker_error_for
 from .._stats import ArenaStats, WorkerStats
@@ -108,9 +108,12 @@ class Supervising(Generic[L]):
         """Worker ``worker_id`` of the first start, registered and submitted."""
         return self._new(worker_id, None)
 
-    def _new(self, worker_id: int, start: ShardPosition | None) -> WorkerState[L]:
+    def _new(self, worker_id: int, start: ShardPosition | None, *,
+             ahead: bool = True) -> WorkerState[L]:
         """Worker ``worker_id`` registered and its start submitted; a stream's goes on
-        from ``start`` (None: where the spec says)."""
+        from ``start`` (None: where the spec says). ``ahead``: a transport that asks a
+        stream for its batches (Ray's calls) may ask at once; False when the worker's
+        first request must be a rewind (:meth:`_start_successor`)."""
         raise NotImplementedError
 
     async def _up(self, w: WorkerState[L]) -> None:
@@ -127,8 +130,6 @@ class Supervising(Generic[L]):
     def _ask(self, w: WorkerState[L], seq: int, indices: list[int]) -> None:
         """Send ``w`` the task of batch ``seq``: ``indices``."""
         raise NotImplementedError
-
-    rewinds_streams = False  # whether a stream's worker can be asked to start a pass again
 
     def _rewind(self, w: WorkerState[L], pass_no: int) -> None:
         """Ask ``w`` to drop its pass and stream pass ``pass_no`` from its start."""
@@ -236,9 +237,9 @@ class Supervising(Generic[L]):
         w = self.workers[action.worker_id]
         start = (ShardPosition.from_data(action.position) if action.position is not None
                  else None)  # a stream: the successor goes on from there
-        new = self._new(w.id, start)
+        new = self._new(w.id, start, ahead=w.rewinding is None)
         self.roster.add_successor(w, new)
-        if new.rewinding is not None:  # it starts in the pass dropped: asked at once
+        if new.rewinding is not None:  # it starts in the pass dropped: asked first
             self._rewind(new, new.rewinding)
         log.info("%s is retiring (recycle %d); its successor starts", self._named(w),
                  self.budget.recycles)
@@ -371,4 +372,21 @@ def rebuilt_error(who: str, told: wire.Failed | wire.BatchFailed, original: obje
         + told.traceback.rstrip().replace("\n", "\n  "), worker_id=worker_id, pid=pid)
     if isinstance(original, BaseException):
         err.__cause__ = original
+    return err
+
+
+@overload
+def told_error(who: str, told: wire.Failed, original: object = None, *, worker_id: int,
+               pid: int | None) -> WorkerError: ...
+@overload
+def told_error(who: str, told: wire.BatchFailed, original: object = None, *, worker_id: int,
+               pid: int | None) -> BatchFailure: ...
+def told_error(who: str, told: wire.Failed | wire.BatchFailed, original: object = None, *,
+               worker_id: int, pid: int | None) -> WorkerError | BatchFailure:
+    """What a worker's :class:`~aioloader.plane._wire.Failed` is on the Roster, its
+    :func:`rebuilt_error`; one batch's error (``BatchFailed``, the worker went on) comes
+    as that batch's :class:`BatchFailure`, with where it lies in its pass and its slot."""
+    err = rebuilt_error(who, told, original, worker_id=worker_id, pid=pid)
+    if isinstance(told, wire.BatchFailed):
+        return BatchFailure(told.seq, err, told.mark, told.slot)
     return err

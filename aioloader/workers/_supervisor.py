@@ -152,7 +152,8 @@ class Supervisor(Supervising[Link]):
         """Wait for retired processes off the loop, so they do not linger as zombies."""
         await asyncio.get_running_loop().run_in_executor(None, self._reap, EXIT_GRACE, True)
 
-    def _new(self, worker_id: int, start: ShardPosition | None) -> Worker:
+    def _new(self, worker_id: int, start: ShardPosition | None, *,
+             ahead: bool = True) -> Worker:  # (it streams unasked; a Rewind is read first)
         spec = self.spec.for_worker(worker_id)
         if start is not None:
             spec = spec.starting_at(start, self.num_workers)
@@ -339,8 +340,6 @@ class Supervisor(Supervising[Link]):
 
     def _ask(self, w: Worker, seq: int, indices: list[int]) -> None:
         self._send_to(w, wire.Task(seq, indices))
-
-    rewinds_streams = True
 
     def _rewind(self, w: Worker, pass_no: int) -> None:
         self._send_to(w, wire.Rewind(pass_no))
