@@ -215,6 +215,29 @@ def test_s3_url(shards: Path) -> None:
             "__url__"] == "s3://wds/train/shard-002.tar"
 
 
+@pytest.mark.parametrize("start", [0, 5, 10, 12])
+def test_a_file_opened_before_its_size_is_known_reads_exactly_its_bytes(start: int) -> None:
+    # the first chunk goes out before the size is known, as a store answers it: what there
+    # is, and an error for a range that starts at or past the end (HTTP 416)
+    data = bytes(range(10))
+
+    async def fetch(first: int, end: int) -> bytes:
+        if first >= len(data):
+            raise OSError(f"416: range {first}-{end} not satisfiable")
+        return data[first:end]
+
+    async def read() -> bytes:
+        source = ranges_module.Ahead("mem://x", None, fetch, start, chunk=4, ahead=2)
+        source.prime()
+        await source.sized(len(data))
+        try:
+            return await source.read(100)
+        finally:
+            await source.aclose()
+
+    assert asyncio.run(read()) == data[start:]
+
+
 def test_http_url_reads_in_ranges(shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     objects = {f"shard-{s:03d}.tar": (shards / f"shard-{s:03d}.tar").read_bytes()
                for s in range(SHARDS)}
@@ -231,10 +254,20 @@ def test_http_url_reads_in_ranges(shards: Path, monkeypatch: pytest.MonkeyPatch)
         most: dict[str, int] = {}
         real_open = ranges_module.Files.open
 
+        order: dict[str, list[str]] = {}  # what each shard's opening asked for, in turn
+
         async def spied_open(self: Any, url: str) -> Any:
-            size, fetch, close = await real_open(self, url)
+            fetch, size, close = await real_open(self, url)
+
+            async def spied_size() -> int:
+                try:
+                    return await size()
+                finally:
+                    order.setdefault(url, []).append("size answered")
 
             async def spied(start: int, end: int) -> bytes:
+                if start == 0:
+                    order.setdefault(url, []).append("first chunk asked")
                 asked.setdefault(url, set()).add((start, end))
                 flying[url] = flying.get(url, 0) + 1
                 most[url] = max(most.get(url, 0), flying[url])
@@ -243,7 +276,7 @@ def test_http_url_reads_in_ranges(shards: Path, monkeypatch: pytest.MonkeyPatch)
                 finally:
                     flying[url] -= 1
 
-            return size, spied, close
+            return spied, spied_size, close
 
         monkeypatch.setattr(ranges_module.Files, "open", spied_open)
         assert [int(s["cls"]) for s in read_all(WebDatasetReader(
@@ -256,6 +289,8 @@ def test_http_url_reads_in_ranges(shards: Path, monkeypatch: pytest.MonkeyPatch)
         assert chunks == [(k * 8192, min((k + 1) * 8192, len(data)))
                           for k in range(len(chunks))], "8 KiB ranges, in order, from 0"
         assert chunks[-1][1] >= last, "every sample's bytes were asked for"
+        # one round trip opens a shard: its first chunk is asked for beside its size
+        assert order[url][:2] == ["first chunk asked", "size answered"], order[url]
         assert most[url] <= 3, "at most `ahead` ranges in flight a shard"
 
 

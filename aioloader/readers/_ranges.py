@@ -58,29 +58,38 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
 
     async def ahead(self, url: str, start: int, *, chunk: int, ahead: int,
                     retry: Retry) -> Ahead:
-        """``url`` opened at ``start``, its first chunks already requested."""
-        size, fetch, close = await self.open(url)
-        source = Ahead(url, size, fetch, start, chunk=chunk, ahead=ahead, retry=retry,
+        """``url`` opened at ``start``, its first chunks already requested. A remote file's
+        first chunk is asked for beside its size, so that opening a shard costs one round
+        trip, not two (a store answers a range past the end with what there is)."""
+        fetch, size_of, close = await self.open(url)
+        source = Ahead(url, None, fetch, start, chunk=chunk, ahead=ahead, retry=retry,
                        close=close)
-        source.prime()
+        source.prime()  # the first chunk, whatever the size
+        try:
+            await source.sized(await size_of())
+        except BaseException:
+            await source.aclose()
+            raise
         return source
 
-    async def open(self, url: str) -> tuple[int, Fetch, Callable[[], None]]:
-        """(size, fetch, close) of ``url``."""
+    async def open(self, url: str) -> tuple[Fetch, Callable[[], Awaitable[int]],
+                                            Callable[[], None]]:
+        """(fetch, size, close) of ``url``: ``size()`` asks for its size."""
         if not is_remote(url):
             path = url.removeprefix("file://")
             fd = await open_read_only(path)
-            size = os.fstat(fd).st_size
 
             async def pread(start: int, end: int) -> bytes:
                 return await asyncio.to_thread(os.pread, fd, end - start, start)
 
-            return size, pread, lambda: os.close(fd)
+            async def local_size() -> int:
+                return os.fstat(fd).st_size
+
+            return pread, local_size, lambda: os.close(fd)
         from ._fsspec import fs_path, transient
 
         fs = await self._filesystem(url)
         path = fs_path(fs, url)
-        size = int((await fs._info(path))["size"])
 
         async def cat(start: int, end: int) -> bytes:
             try:
@@ -91,13 +100,17 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
                     raise
                 raise translated from exc
 
-        return size, cat, lambda: None
+        async def remote_size() -> int:
+            return int((await fs._info(path))["size"])
+
+        return cat, remote_size, lambda: None
 
 
 class Ahead:
     """The bytes of one file from ``start`` on, read ``ahead`` chunks in advance."""
 
-    def __init__(self, url: str, size: int, fetch: Fetch, start: int, *, chunk: int = CHUNK,
+    def __init__(self, url: str, size: int | None, fetch: Fetch, start: int, *,
+                 chunk: int = CHUNK,
                  ahead: int = AHEAD, retry: Retry | None = None,
                  close: Callable[[], None] | None = None) -> None:
         self.url = url
@@ -125,10 +138,27 @@ class Ahead:
                 await asyncio.sleep(self._retry.delay(attempt))
 
     def prime(self) -> None:
-        """Request the first chunks now (the reader is still busy with the shard before)."""
+        """Request the first chunks now (the reader is still busy with the shard before);
+        the size not known yet (``None``), the first chunk only."""
+        if self.size is None:
+            end = self._requested + self._chunk
+            self._tasks.append(asyncio.ensure_future(self._attempts(self._requested, end)))
+            self._requested = end
+        else:
+            self._fill()
+
+    async def sized(self, size: int) -> None:
+        """The file's size, learnt after :meth:`prime`: the first chunk's answer holds what
+        there was; none is owed where the read starts at the end."""
+        self.size = size
+        if self.offset >= size:
+            await self._drop()
+            self._requested = self.offset
+        self._requested = min(self._requested, size)
         self._fill()
 
     def _fill(self) -> None:
+        assert self.size is not None, "sized() first"
         while len(self._tasks) < self._ahead and self._requested < self.size:
             end = min(self._requested + self._chunk, self.size)
             self._tasks.append(asyncio.ensure_future(self._attempts(self._requested, end)))
@@ -155,14 +185,18 @@ class Ahead:
         self.offset += len(data)
         return data
 
-    async def aclose(self) -> None:
-        """Cancel the reads in flight, wait for them, close the file."""
+    async def _drop(self) -> None:
+        """Cancel the reads in flight and wait for them."""
         tasks, self._tasks = list(self._tasks), collections.deque()
         for task in tasks:
             task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Cancel the reads in flight, wait for them, close the file."""
         try:
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await self._drop()
         finally:
             close, self._close = self._close, None
             if close is not None:
