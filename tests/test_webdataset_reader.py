@@ -238,6 +238,33 @@ def test_a_file_opened_before_its_size_is_known_reads_exactly_its_bytes(start: i
     assert asyncio.run(read()) == data[start:]
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_the_next_shards_open_while_one_is_read(shards: Path, ahead: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # a remote shard's opening is a round trip: with one shard opened ahead, a worker of
+    # small shards waited for one each (the formats bench's S3 row); now ``ahead`` of them
+    opened: list[str] = []
+    real_open = ranges_module.Files.open
+
+    async def spied_open(self: Any, url: str) -> Any:
+        opened.append(url)
+        return await real_open(self, url)
+
+    monkeypatch.setattr(ranges_module.Files, "open", spied_open)
+    reader = WebDatasetReader(str(shards / "shard-{000..005}.tar"), ahead=ahead)
+
+    async def first() -> int:
+        stream = reader.read(None)
+        try:
+            await stream.__anext__()
+            return len(opened)
+        finally:
+            await stream.aclose()
+
+    assert asyncio.run(first()) == 1 + ahead  # this shard and the next ``ahead``
+    assert len(opened) == 1 + ahead  # closed early: none opened after
+
+
 def test_http_url_reads_in_ranges(shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     objects = {f"shard-{s:03d}.tar": (shards / f"shard-{s:03d}.tar").read_bytes()
                for s in range(SHARDS)}

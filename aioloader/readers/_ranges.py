@@ -3,8 +3,8 @@
 A format reader walks a file from an offset on (a tar shard from a sample's first header).
 :class:`Ahead` keeps ``ahead`` ranged reads of ``chunk`` bytes in flight, so a remote
 shard streams at the bandwidth and not at one round trip per chunk, in bounded memory
-(``ahead x chunk`` bytes); the reader opens its next shard the same way while it reads
-one. A failed read is retried when the error is transient (the load stage's own
+(``ahead x chunk`` bytes); the reader opens its next shards while it reads one, a chunk
+requested for each. A failed read is retried when the error is transient (the load stage's own
 :class:`~aioloader.Retry` rules), else raised naming the file.
 """
 
@@ -58,7 +58,7 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
 
     async def ahead(self, url: str, start: int, *, chunk: int, ahead: int,
                     retry: Retry) -> Ahead:
-        """``url`` opened at ``start``, its first chunks already requested. A remote file's
+        """``url`` opened at ``start``, its first chunk already requested. A remote file's
         first chunk is asked for beside its size, so that opening a shard costs one round
         trip, not two (a store answers a range past the end with what there is)."""
         fetch, size_of, close = await self.open(url)
@@ -149,13 +149,13 @@ class Ahead:
 
     async def sized(self, size: int) -> None:
         """The file's size, learnt after :meth:`prime`: the first chunk's answer holds what
-        there was; none is owed where the read starts at the end."""
+        there was; none is owed where the read starts at the end. The next chunks are asked
+        for when reading begins (a shard opened ahead holds one chunk)."""
         self.size = size
         if self.offset >= size:
             await self._drop()
             self._requested = self.offset
         self._requested = min(self._requested, size)
-        self._fill()
 
     def _fill(self) -> None:
         assert self.size is not None, "sized() first"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import json
 import os
@@ -140,8 +141,8 @@ class WebDatasetReader(PieceReader):
     of workers and ranks too (:meth:`reshape_state`, which the loader calls).
 
     Shards stream through ranged reads, ``ahead`` chunks of ``chunk_size`` bytes in flight
-    (bounded memory), each retried on transient errors (``retries``); the next shard is
-    opened, and its first chunks requested, while one is read.
+    (bounded memory), each retried on transient errors (``retries``); the next ``ahead``
+    shards are opened, and the first chunk of each requested, while one is read.
 
     Args:
         urls: shards; None: the loader's ``data_path``.
@@ -156,7 +157,8 @@ class WebDatasetReader(PieceReader):
             is left out, warned about once, counted in the loader's ``stats().skipped``
             and ``skipped``, and in ``num_skipped`` (in the process that read it).
         chunk_size: bytes per ranged read of a shard.
-        ahead: ranged reads in flight per worker (memory: ``ahead x chunk_size``).
+        ahead: ranged reads in flight for the shard being read, and shards opened ahead of
+            it, one chunk each (memory: ``2 x ahead x chunk_size`` per reader).
         retries: more attempts per read on transient errors (``aioloader.Retry``'s rules).
 
     Examples:
@@ -199,7 +201,8 @@ class WebDatasetReader(PieceReader):
     async def _read(self, urls: list[str], loaded: dict[str, Any] | None,
                     pass_no: int) -> AsyncIterator[Any]:
         skips = self._skips()
-        upcoming: asyncio.Task[Ahead] | None = None  # the next shard, opening meanwhile
+        # the next shards (up to ``ahead``), opening meanwhile, each with its first chunk asked
+        upcoming: collections.deque[asyncio.Task[Ahead]] = collections.deque()
         async with Files(self.storage_options) as files:
 
             def opening(url: str, start: int) -> Awaitable[Ahead]:
@@ -218,14 +221,15 @@ class WebDatasetReader(PieceReader):
                 while at.piece < len(mine):
                     url = urls[mine[at.piece]]
                     cut = at.cut(mine[at.piece])
-                    if upcoming is not None:  # opened where a next shard starts
-                        task, upcoming = upcoming, None
-                        source = await task
+                    if upcoming:  # opened where a next shard starts
+                        source = await upcoming.popleft()
                     else:
                         source = await opening(url, at.offset)
-                    if at.piece + 1 < len(mine):
-                        upcoming = asyncio.ensure_future(opening(
-                            urls[mine[at.piece + 1]], at.start_of(at.piece + 1)[0]))
+                    while (len(upcoming) < self.ahead
+                           and at.piece + 1 + len(upcoming) < len(mine)):
+                        piece = at.piece + 1 + len(upcoming)
+                        upcoming.append(asyncio.ensure_future(opening(
+                            urls[mine[piece]], at.start_of(piece)[0])))
                     samples = _samples(source, url)
                     try:
                         while True:
@@ -257,8 +261,8 @@ class WebDatasetReader(PieceReader):
                             await source.aclose()
                     at.next_piece()
             finally:
-                if upcoming is not None:
-                    await _discard(upcoming)
+                while upcoming:
+                    await _discard(upcoming.popleft())
 
     async def _count(self, opening: Awaitable[Ahead], url: str, limit: int | None) -> int:
         """Samples of a shard from an offset on (at most ``limit``), read again to count
