@@ -138,14 +138,11 @@ class Ahead:
                 await asyncio.sleep(self._retry.delay(attempt))
 
     def prime(self) -> None:
-        """Request the first chunks now (the reader is still busy with the shard before);
-        the size not known yet (``None``), the first chunk only."""
-        if self.size is None:
-            end = self._requested + self._chunk
-            self._tasks.append(asyncio.ensure_future(self._attempts(self._requested, end)))
-            self._requested = end
-        else:
-            self._fill()
+        """Request the first chunk now, before the size is known (the reader is still busy
+        with the shard before)."""
+        end = self._requested + self._chunk
+        self._tasks.append(asyncio.ensure_future(self._attempts(self._requested, end)))
+        self._requested = end
 
     async def sized(self, size: int) -> None:
         """The file's size, learnt after :meth:`prime`: the first chunk's answer holds what
