@@ -41,12 +41,6 @@ def get_worker_info() -> WorkerInfo | None:
     return _current if pair is None else pair[0]
 
 
-def in_worker_process() -> bool:
-    """Whether this is a worker process: its source is its own copy (a thread worker shares
-    the caller's), so changing the source in place touches no other worker."""
-    return _current is not None and _in_thread.get() is None
-
-
 def set_worker_info(info: WorkerInfo | None, dataset: Any = None, *,
                     thread: bool = False) -> None:
     """Install ``info`` for this worker, for aioloader and for torch's own API.

@@ -20,8 +20,6 @@ import torch.utils.data
 from torch.utils.data import IterDataPipe
 from torch.utils.data.graph_settings import apply_sharding
 
-from .._info import in_worker_process
-
 T = TypeVar("T")
 
 
@@ -108,11 +106,9 @@ def _shard_datapipe(source: IterDataPipe[Any], worker: int, num_workers: int, ra
     sets it: ranks first, then workers (``worker * world_size + rank`` of
     ``num_workers * world_size``, torch's ``_sharding_worker_init_fn``; ``rank`` of
     ``world_size`` without workers). Without it every worker (every rank) read the whole
-    datapipe (torch's test_dataloader.py, test_shuffler_iterdatapipe). Thread workers share
-    the one datapipe, whose sharding is a setting of the object: they are refused it at
-    construction."""
-    if num_workers > 1 and not in_worker_process():
-        return
+    datapipe (torch's test_dataloader.py, test_shuffler_iterdatapipe). The sharding is a
+    setting of the object: each worker process has its own copy, and several thread workers,
+    which would share one, are refused a datapipe at construction."""
     workers = max(num_workers, 1)
     apply_sharding(source, workers * world_size, worker * world_size + rank)
 
