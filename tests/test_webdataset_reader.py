@@ -153,9 +153,9 @@ def test_resume_seeks_to_the_sample_after_the_state(shards: Path,
     opened: list[tuple[str, int]] = []
     real = ranges_module.Ahead.__init__
 
-    def spy(self: Any, url: str, size: int, fetch: Any, start: int, **kw: Any) -> None:
+    def spy(self: Any, url: str, fetch: Any, start: int, **kw: Any) -> None:
         opened.append((url, start))
-        real(self, url, size, fetch, start, **kw)
+        real(self, url, fetch, start, **kw)
 
     monkeypatch.setattr(ranges_module.Ahead, "__init__", spy)
     resumed = WebDatasetReader(pattern(shards))
@@ -227,7 +227,7 @@ def test_a_file_opened_before_its_size_is_known_reads_exactly_its_bytes(start: i
         return data[first:end]
 
     async def read() -> bytes:
-        source = ranges_module.Ahead("mem://x", None, fetch, start, chunk=4, ahead=2)
+        source = ranges_module.Ahead("mem://x", fetch, start, chunk=4, ahead=2)
         source.prime()
         await source.sized(len(data))
         try:

@@ -62,8 +62,7 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
         first chunk is asked for beside its size, so that opening a shard costs one round
         trip, not two (a store answers a range past the end with what there is)."""
         fetch, size_of, close = await self.open(url)
-        source = Ahead(url, None, fetch, start, chunk=chunk, ahead=ahead, retry=retry,
-                       close=close)
+        source = Ahead(url, fetch, start, chunk=chunk, ahead=ahead, retry=retry, close=close)
         source.prime()  # the first chunk, whatever the size
         try:
             await source.sized(await size_of())
@@ -109,13 +108,12 @@ class Files(contextlib.AbstractAsyncContextManager["Files"]):
 class Ahead:
     """The bytes of one file from ``start`` on, read ``ahead`` chunks in advance."""
 
-    def __init__(self, url: str, size: int | None, fetch: Fetch, start: int, *,
-                 chunk: int = CHUNK,
+    def __init__(self, url: str, fetch: Fetch, start: int, *, chunk: int = CHUNK,
                  ahead: int = AHEAD, retry: Retry | None = None,
                  close: Callable[[], None] | None = None) -> None:
         self.url = url
         self._close = close
-        self.size = size
+        self.size: int | None = None  # until sized()
         self.offset = start  # of the next byte read() hands out
         self._fetch = fetch
         self._chunk = chunk
@@ -151,7 +149,6 @@ class Ahead:
         self.size = size
         if self.offset >= size:
             await self._drop()
-            self._requested = self.offset
         self._requested = min(self._requested, size)
 
     def _fill(self) -> None:
