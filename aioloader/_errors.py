@@ -5,9 +5,12 @@ from __future__ import annotations
 import builtins
 import pickle
 import reprlib
+import signal
 import threading
 import types
-from typing import Any
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=Exception)
 
 
 class WorkerError(Exception):
@@ -54,21 +57,14 @@ def worker_error_for(original: BaseException | None, message: str, *, worker_id:
     attributes are copied (``errno``, ``filename``, a user's own), the original itself is
     the ``__cause__``."""
     cls = _mixed_type(type(original)) if original is not None else None
-    if cls is not None:
-        try:
-            err: WorkerError = cls.__new__(cls)
-            BaseException.__init__(err, message)
-        except Exception:  # noqa: BLE001 - an exotic __new__: the plain error will do
-            cls = None
-    if cls is None:
+    if cls is None:  # (one that _mixed_type made can be rebuilt: it tried)
         return WorkerError(message, worker_id=worker_id, pid=pid)
+    err = _rebuild(cls, message, {**getattr(original, "__dict__", {}), "worker_id": worker_id,
+                                  "pid": pid})
     if isinstance(original, OSError):
         assert isinstance(err, OSError)
         err.errno, err.strerror = original.errno, original.strerror
         err.filename, err.filename2 = original.filename, original.filename2
-    err.__dict__.update(getattr(original, "__dict__", {}))
-    err.worker_id = worker_id
-    err.pid = pid
     return err
 
 
@@ -117,7 +113,9 @@ def _rebuild_from_worker(original: type[BaseException], message: str,
     return _rebuild(cls, message, state)
 
 
-def _rebuild(cls: type[Exception], message: str, state: dict[str, object]) -> Exception:
+def _rebuild(cls: type[E], message: str, state: dict[str, object]) -> E:
+    """An instance of ``cls`` with ``message`` and the attributes ``state``, its
+    ``__init__`` not run (its arguments are not kept)."""
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
@@ -177,28 +175,26 @@ UNGUARDED_MAIN = (
     "start_method=\"fork\"")
 
 
+_SIGNAL_HINTS: dict[int, str] = {
+    signal.SIGKILL: " — often the out-of-memory killer; check `dmesg` and memory limits",
+    signal.SIGSEGV: " — a crash in native code (segmentation fault)",
+    signal.SIGBUS: " — a bus error, often shared memory that ran out",
+}
+
+
 def describe_exit(exitcode: int | None) -> str:
     """'exit code 3', 'killed by signal 9 (SIGKILL)' or 'exit status unknown'."""
-    import signal
-
     if exitcode is None:
         return "exit status unknown"
     if exitcode == UNGUARDED_MAIN_EXIT:
         return f"exit code {exitcode}: {UNGUARDED_MAIN}"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = "unknown signal"
-        hint = ""
-        if -exitcode == signal.SIGKILL:
-            hint = " — often the out-of-memory killer; check `dmesg` and memory limits"
-        elif -exitcode == signal.SIGSEGV:
-            hint = " — a crash in native code (segmentation fault)"
-        elif -exitcode == signal.SIGBUS:
-            hint = " — a bus error, often shared memory that ran out"
-        return f"killed by signal {-exitcode} ({name}){hint}"
-    return f"exit code {exitcode}"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "unknown signal"
+    return f"killed by signal {-exitcode} ({name}){_SIGNAL_HINTS.get(-exitcode, '')}"
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -231,7 +227,8 @@ class CollateKeyError(KeyError):
             which += f" (index {sample!r})"
         super().__init__(
             f"{which} has no key {key!r} {where}, which the first sample has: the first "
-            f"sample's keys are {_keys(first_keys)}, this one's {_keys(sample_keys)}. Give "
+            f"sample's keys are {reprlib.repr(first_keys)}, this one's "
+            f"{reprlib.repr(sample_keys)}. Give "
             "every sample the same keys, or pass a collate_fn that fills the missing ones")
 
     def with_sample(self, sample: object) -> CollateKeyError:
@@ -247,10 +244,6 @@ class CollateKeyError(KeyError):
                                   self.sample_keys, self.where, self.sample))
 
 
-def _keys(keys: list[object]) -> str:
-    return reprlib.repr(keys)
-
-
 class LoaderTimeoutError(TimeoutError, RuntimeError):
     """No batch arrived within the loader's ``timeout``; names the workers that are behind.
 
@@ -262,12 +255,9 @@ class SourcePicklingError(pickle.PicklingError, TypeError):
 
 
 class BatchFailure(Exception):
-    """Internal: making one batch raised in its worker, which went on. The run counts the
-    batch as handed over and the epoch raises ``error`` in its turn, then goes on with the
-    next batch, as torch's iterator does (issue 32). Never reaches the user itself.
-
-    A stream's failure says where it lies in its pass (``mark``, for the position) and
-    which slot its worker held for it (``slot``, given back once it is taken)."""
+    """Internal: making batch ``seq`` raised ``error`` in its worker, which went on; the epoch
+    raises ``error`` in the batch's turn and goes on, as torch's iterator does (issue 32).
+    A stream's says where it lies in its pass (``mark``) and the slot it held (``slot``)."""
 
     def __init__(self, seq: int, error: BaseException, mark: Any = None,
                  slot: int | None = None) -> None:

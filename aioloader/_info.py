@@ -64,13 +64,10 @@ def set_worker_info(info: WorkerInfo | None, dataset: Any = None, *,
 
 
 class Patch:
-    """A change to torch in this process, made only while some scope needs it.
-
-    ``apply()`` makes the change and returns what undoes it. The first :meth:`scope` to
-    begin applies it, the last to end undoes it (counted, thread-safe), so torch is exactly
-    itself again once no scope is left: a thread worker's lifetime is such a scope (see
-    ``_threads.torch_for_threads``). A worker process changes its own torch for good:
-    that process is ours.
+    """A change to torch in this process, made only while some scope needs it: ``apply()``
+    makes it and returns what undoes it; the first :meth:`scope` to begin applies it, the
+    last to end undoes it (counted, thread-safe). A worker process changes its own torch
+    for good: that process is ours.
     """
 
     def __init__(self, apply: Callable[[], Callable[[], None]]) -> None:

@@ -83,12 +83,12 @@ class LoaderStats:
                 + (f", padded {self.padded}" if self.padded else ""))
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 NO_ARENA = ArenaStats(0, 0, 0, 0, 0)
@@ -125,10 +125,9 @@ class Meter:
             self.first = now - self._since
             self._awaiting_first = False
 
-    def wall(self, now: float | None = None) -> float:
-        running = 0.0
-        if self._since is not None:
-            running = (time.monotonic() if now is None else now) - self._since
+    def wall(self) -> float:
+        """The epochs' wall time, the running one's so far included."""
+        running = time.monotonic() - self._since if self._since is not None else 0.0
         return self._wall + running
 
 

@@ -1,43 +1,13 @@
-"""Workers on a Ray cluster (``worker_type="ray"``): the supervisor's interface over actors.
+"""Workers on a Ray cluster (``worker_type="ray"``): the Roster's transport over actors.
 
-:class:`RaySupervisor` answers what the producers (aioloader/workers/_producers.py) ask of a
-supervisor: ``start``, ``request``, ``receive``, ``restart``, ``stats``, ``describe``,
-``close``. So ordering, resume positions and the restart logic are the producers' own,
-unchanged; what differs is the transport::
-
-    producer ── receive(w) ──> RaySupervisor ── await ObjectRef ──> actor w (RayWorker)
-                request(w, seq, indices) ─── fetch.remote(seq, indices) ──┘  (index batches)
-                at most ``slots`` calls in flight per actor ── next.remote() ┘  (streams)
-                rewind(w, pass_no) ─── rewind.remote(pass_no) ───────────┘  (a stream left early)
-
-Each actor (aioloader/workers/_ray_actor.py) runs the worker's pipeline where Ray placed it and
-returns whole batches; a batch reaches this process through Ray's object store, its
-tensors as views of the object's buffer (zero-copy on the actor's node; from another node
-Ray first moves the object into this node's store), copied out with ``zero_copy=False``.
-The calls in flight are the backpressure: an actor builds a batch only for a call, and a
-stream's calls are topped up as batches are taken, so at most ``slots`` batches per worker
-sit in the store untaken. Awaiting an ``ObjectRef`` never blocks the loop.
-
-A Ray the loader had to start (no ``ray.init`` before it) stays up for the process, as a
-forkserver does: shutting it down would end any other Ray work of the process. So it is
-started on a thread that lives as long as the process (see :func:`_on_init_thread`).
-
-The actors are workers on the :class:`~aioloader.workers._phases.Roster` that process
-workers use, and the consumer's side is theirs too
-(:class:`~aioloader.workers._supervising.Supervising`): each reply becomes the Roster event
-a process worker's message is (a batch, a pass end, a hand-over, an error, one batch's
-error, a rewind's answer), and a Ray error on a call is the actor's exit. So recycling,
-deaths, hangs, a stream's failed batches and persistent workers' rewinds follow one table.
-
-Faults: a call of a dead actor (or one whose batch was lost with its node) raises Ray's
-error: the actor's exit, and a death the Roster counts. It becomes a
-:class:`~aioloader.WorkerDied` naming the worker, its actor, node and pid; within
-``max_worker_restarts`` it is :class:`~aioloader.workers._phases.WorkerLost` instead, raised
-where that worker's next batch is due (the batches it delivered before come first), and the
-producer's ``restart`` starts a new actor from the consumer's position. Closing kills every
-actor and drops every reference, so nothing of the loader stays in the object store.
-
-Imports Ray only when a supervisor starts: ``import aioloader`` never needs it.
+Each worker is an actor (aioloader/workers/_ray_actor.py), pulled: ``fetch(seq, indices)``
+for an index batch, up to ``slots`` ``next()`` calls in flight for a stream, ``rewind`` for a
+stream left early. Each reply becomes the Roster event a process worker's message is, and
+Ray's error on a call is the actor's exit (docs/architecture.md, "One Roster"). A batch
+reaches this process through the object store, its tensors views of the object's buffer
+(copied out with ``zero_copy=False``); awaiting an ``ObjectRef`` never blocks the loop.
+Closing kills every actor and drops every reference, so nothing of the loader stays in the
+object store. Imports Ray only when a supervisor starts: ``import aioloader`` never needs it.
 """
 
 from __future__ import annotations
@@ -46,8 +16,10 @@ import asyncio
 import collections
 import contextlib
 import copy
+import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +35,6 @@ from ._ray_cluster import (
     first_reply,
     looked_up,
     ray_module,
-    settled,
     wait_and_drop,
 )
 from ._spec import WorkerSpec
@@ -71,8 +42,7 @@ from ._supervising import Supervising, told_error, worker_stats
 
 log = logging.getLogger("aioloader")
 
-PLACEMENT_PATIENCE = 30.0  # s an actor may take to start before a warning says why (again
-# after twice that each time)
+PLACEMENT_PATIENCE = 30.0  # seconds an actor may take to start before a warning says why
 CLOSE_WAIT = 10.0  # seconds a close waits for Ray to confirm that its actors are dead
 
 
@@ -84,18 +54,14 @@ class ActorLink:
     handle: Any
     hello: Any  # the ObjectRef of its Hello, until it is known
     calls: collections.deque[Any] = field(default_factory=collections.deque)  # ObjectRefs
-    numbered: int = 0  # calls made: the actor serves them in this order
+    numbers: Iterator[int] = field(default_factory=itertools.count)  # calls, served in order
     read: int = 0  # replies read
     values: dict[int, Any] = field(default_factory=dict)
     where: Hello | None = None
 
-    def number(self) -> int:
-        self.numbered += 1
-        return self.numbered - 1
-
     def actor(self) -> str:
         """'Ray actor 1a2b3c on node 4d5e6f (host)': where this worker runs."""
-        actor = self.handle._actor_id.hex()[:12] if self.handle is not None else "?"
+        actor = self.handle._actor_id.hex()[:12]
         if self.where is None:
             return f"Ray actor {actor}"
         return f"Ray actor {actor} on node {self.where.node[:12]} ({self.where.host})"
@@ -103,11 +69,6 @@ class ActorLink:
     @property
     def pid(self) -> int | None:
         return self.where.pid if self.where is not None else None
-
-    def drop(self) -> None:
-        """Forget every call and batch: they leave the object store with the last reference."""
-        self.calls.clear()
-        self.values.clear()
 
 
 Actor = WorkerState[ActorLink]
@@ -166,11 +127,10 @@ class RaySupervisor(Supervising[ActorLink]):
         death like a later one, for the Roster to count; its creation task raising (the
         spec did not load there) is the session's failure, which no restart heals."""
         ray = ray_module()
-        # Ray's own future of the ref, not ensure_future(ref): that wrapped the ref in a
-        # coroutine whose frame, in the traceback of Ray's error, held the ObjectRef, and
-        # the error and this frame made a cycle: the dead actor's reply stayed owned after
-        # close until a gc (issue 22 audit). The error is read with exception(), never
-        # raised here: it carries no traceback, so no frame of ours holds or is held.
+        # Ray's own future of the ref, not ensure_future(ref), and its error read, never
+        # raised here: the coroutine's frame, in the error's traceback, held the ObjectRef
+        # in a cycle, so the dead actor's reply stayed owned after close until a gc (issue
+        # 22 audit).
         hello: asyncio.Future[Hello] = asyncio.wrap_future(w.link.hello.future())
         w.link.hello = None
         try:
@@ -205,15 +165,13 @@ class RaySupervisor(Supervising[ActorLink]):
         with what it asks for free, or it has placed it and its process is still starting
         (on a busy 2-core machine, actors importing torch took over 30 s)."""
         where = await looked_up(w.link.handle)
-        if where is None:
-            log.warning("%s is not running after %.0f s: Ray has no node with what it asks "
-                        "for free yet (%s); see `ray status`", self._named(w), waited,
-                        self._options())
-        else:
-            log.warning("%s is not running after %.0f s: Ray placed it on node %s (%s, pid "
-                        "%d), where its process is still starting (importing the source's "
-                        "modules, its worker_init_fn, or a busy machine); see `ray status`",
-                        self._named(w), waited, where.node, where.host, where.pid)
+        why = (f"Ray has no node with what it asks for free yet ({self._options()})"
+               if where is None else
+               f"Ray placed it on node {where.node} ({where.host}, pid {where.pid}), where "
+               "its process is still starting (importing the source's modules, its "
+               "worker_init_fn, or a busy machine)")
+        log.warning("%s is not running after %.0f s: %s; see `ray status`", self._named(w),
+                    waited, why)
 
     def _top_up(self, w: Actor) -> None:
         """A stream: keep ``slots`` calls in flight, each a batch once it is built (none
@@ -221,21 +179,20 @@ class RaySupervisor(Supervising[ActorLink]):
         if not self._stream or self.closed or w.phase not in _ASKED:
             return
         while len(w.link.calls) < self._slots:
-            w.link.calls.append(w.link.handle.next.remote(w.link.number()))
+            w.link.calls.append(w.link.handle.next.remote(next(w.link.numbers)))
 
     # ------------------------------------------------------------------ the Roster's events
 
     def _ask(self, w: Actor, seq: int, indices: list[int]) -> None:
-        w.link.calls.append(w.link.handle.fetch.remote(w.link.number(), seq, indices))
+        w.link.calls.append(w.link.handle.fetch.remote(next(w.link.numbers), seq, indices))
 
     def _rewind(self, w: Actor, pass_no: int) -> None:
-        """A call of its own, after the calls in flight (their replies belong to the pass
-        dropped: the consumer drops them), then the stream's calls again. An actor handed
-        over is asked nothing: its successor answers (``Roster.rewind``), the rewind its
-        first call."""
+        """A call of its own after the calls in flight (whose replies the consumer drops),
+        then the stream's calls again; a handed-over actor is asked nothing (its successor
+        answers, ``Roster.rewind``)."""
         if self.closed or w.phase not in _ASKED:
             return
-        w.link.calls.append(w.link.handle.rewind.remote(w.link.number(), pass_no))
+        w.link.calls.append(w.link.handle.rewind.remote(next(w.link.numbers), pass_no))
         self._top_up(w)
 
     async def _wait(self, worker_id: int) -> None:
@@ -349,9 +306,10 @@ class RaySupervisor(Supervising[ActorLink]):
         return True
 
     def _let_go(self, gone: list[Actor]) -> None:
-        """Kill the actors of ``gone`` and drop their calls."""
+        """Kill the actors of ``gone`` and drop their calls; a close confirms their deaths."""
         for w in gone:
-            w.link.drop()
+            w.link.calls.clear()  # its calls and batches leave the object store with the
+            w.link.values.clear()  # last reference
             with contextlib.suppress(Exception):
                 ray_module().kill(w.link.handle, no_restart=True)
             self._retired.append(w)
@@ -369,45 +327,29 @@ class RaySupervisor(Supervising[ActorLink]):
 
     # ------------------------------------------------------------------ stop
 
-    def _begin_close(self) -> list[Any] | None:
-        """Kill every actor and drop every call; the handles whose death to confirm."""
+    def _begin_close(self) -> list[Any]:
+        """Kill every actor and drop every reference; one call per killed actor, which Ray
+        fails once the actor is dead for sure."""
         everyone = self.roster.close()
         if everyone is None:
-            return None
-        everyone += self._retired
-        self._retired = []
-        handles = []
-        for w in everyone:
-            w.link.drop()
-            w.link.hello = None
-            if w.link.handle is None:
-                continue
-            with contextlib.suppress(Exception):
-                ray_module().kill(w.link.handle, no_restart=True)
-            handles.append(w.link.handle)
-        self._spec_ref = None
-        return handles
-
-    def _confirm(self, handles: list[Any]) -> list[Any]:
-        """One call per killed actor: Ray fails it once the actor is dead for sure."""
-        if not handles or not ray_module().is_initialized():
             return []
-        return [h.hello.remote() for h in handles]
+        self._let_go(everyone)
+        gone, self._retired = self._retired, []
+        for w in gone:
+            w.link.hello = None
+        self._spec_ref = None
+        with contextlib.suppress(Exception):  # (Ray shut down: nothing left to confirm)
+            if ray_module().is_initialized():
+                return [w.link.handle.hello.remote() for w in gone]
+        return []
 
     async def aclose(self, grace: float) -> None:
         """Kill every actor and wait (without blocking the loop) until Ray says they are
         dead, so that no actor and no batch outlives the close."""
-        handles = self._begin_close()
-        if handles is None:
-            return
-        await settled(self._confirm(handles), CLOSE_WAIT + grace)
-        del handles
+        probes = self._begin_close()
+        if probes:  # (waited for in a thread, and dropped there: see wait_and_drop)
+            await asyncio.to_thread(wait_and_drop, probes, CLOSE_WAIT + grace)
 
     def close(self, grace: float) -> None:
         """Blocking version of :meth:`aclose`."""
-        handles = self._begin_close()
-        if handles is None:
-            return
-        with contextlib.suppress(Exception):
-            wait_and_drop(self._confirm(handles), CLOSE_WAIT + grace)
-        del handles
+        wait_and_drop(self._begin_close(), CLOSE_WAIT + grace)

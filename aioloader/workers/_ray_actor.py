@@ -1,34 +1,18 @@
 """The Ray actor of ``worker_type="ray"``: one worker's pipeline, answering one call at a time.
 
-A process worker pushes batches into its arena as fast as its slots allow; a Ray actor is
-pulled instead. The parent (aioloader/workers/_ray.py) keeps at most ``slots`` calls in flight per
-actor, and each call returns one reply: a batch built where the actor runs, a pass end, a
-hand-over (recycling), a stream's failed batch (its error, and the stream goes on) or the
-worker's exception; a ``rewind`` call answers ``Rewound`` once the stream starts its pass
-again (persistent workers, an epoch left early), as a process worker answers ``Rewind``.
-The calls in flight are the backpressure: no batch is built that nobody asked for.
+Pulled, its numbered calls served in order (docs/architecture.md, "Ray workers"): calls
+submitted in order to a plain actor (``max_concurrency=1``) ran out of order when they
+queued (Ray 2.60: a worker's random draws went to the wrong batches), so the actor is an
+async one whose calls wait for their turn on Ray's loop, their work in a thread of its own.
+Async parts (an async reader, a load stage) run on an event loop the actor owns in another
+thread (``run_until_complete`` on Ray's loop raised "Cannot run the event loop while another
+loop is running"), which also keeps a load stage's window going between calls. Imports no
+Ray at import time.
 
-The parent numbers its calls to each actor, and the actor serves them in that order, one
-at a time. Ray does not do it for us: calls submitted in order from one thread to a plain
-actor (``max_concurrency=1``) ran out of order here (Ray 2.60, calls queued while the
-actor was busy: a worker's random draws went to the wrong batches). So the actor is an
-async one; a call waits for its turn on Ray's loop, and its work runs in one thread of the
-actor's own (a map-style batch's fetch and collate); a stream's passes, ``worker_init_fn``
-and a load stage's loads run on the actor's own loop, in the loop's thread.
-
-The set-up and the passes are the process worker's (``_passes.serving`` and
-``_passes.passes``: worker info, seeds, ``worker_init_fn``, the pipeline and its load
-stage; shard and resume position, recycling), turned into replies here.
-Its async parts (an async reader, a load stage) run on an event loop the actor owns for its
-lifetime, in a thread of its own (Ray's loop runs the calls' turns; ``run_until_complete``
-there raised "Cannot run the event loop while another loop is running"), which also keeps a
-load stage's window going between two calls. This module imports no Ray at import time: ``_ray.py``
-wraps :class:`RayWorker` with ``ray.remote`` when it starts one.
-
-Tensors travel as raw bytes beside the pickle (:func:`tensor_out`), not inside it: torch's
-own pickling copies each tensor into the pickle stream and out again (9 ms of the
-consumer's CPU per 9.6 MB image batch, measured), where Ray carries a NumPy buffer out of
-band, written once into the object store and mapped by the consumer (1.6 ms).
+Tensors travel as raw bytes beside the pickle (:func:`tensor_out`): torch's pickling copies
+each tensor into the pickle stream and out again (9 ms of the consumer's CPU per 9.6 MB
+image batch, measured), where Ray writes a NumPy buffer once into the object store and the
+consumer maps it (1.6 ms).
 """
 
 from __future__ import annotations
@@ -43,12 +27,12 @@ import time
 import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from ..pipeline._loads import LoadStage, SkippedLoad
+from ..pipeline._loads import SkippedLoad
 from ..pipeline._pipeline import Batch
 from ..plane import _wire as wire
 from ..plane._codec import tensors_nbytes
@@ -108,14 +92,6 @@ class Hello:
     pid: int
 
 
-def _carry_tensors_out_of_band() -> None:
-    """Every plain CPU tensor this process sends through Ray goes as :func:`tensor_out`
-    says (the process is the actor's: nothing else of the user's is serialized here)."""
-    from ray.util import register_serializer
-
-    register_serializer(torch.Tensor, serializer=tensor_out, deserializer=tensor_in)
-
-
 def tensor_out(t: torch.Tensor) -> tuple[Any, ...]:
     """A tensor as Ray sends it: its bytes as a uint8 NumPy array (out of band: written
     once into the object store, mapped where it is read), its dtype and shape. Anything but
@@ -148,14 +124,6 @@ def _raised(exc: BaseException) -> wire.Failed:
     return wire.Failed(*described(exc, None))
 
 
-@dataclass
-class _Clock:
-    """The share of its life the actor spent answering calls (``stats().workers[k].busy``)."""
-
-    born: float = field(default_factory=time.monotonic)
-    busy: float = 0.0
-
-
 class RayWorker:
     """Worker ``worker_id`` of ``spec``, starting at ``start`` (a stream's position after a
     restart or a recycle; None: where the spec says)."""
@@ -166,29 +134,28 @@ class RayWorker:
         if start is not None:
             spec = spec.starting_at(start, spec.workers.num_workers)
         self.spec = spec
-        self.clock = _Clock()
+        self.busy = 0.0  # seconds spent answering calls (``stats().workers[k].busy``)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="aioloader-ray-worker",
                          daemon=True).start()  # the actor's process ends with the actor
         self.work = ThreadPoolExecutor(1, thread_name_prefix="aioloader-ray-call")
-        self.turns: asyncio.Condition | None = None  # on Ray's loop, made by the first call
+        self.turns = asyncio.Condition()  # bound to Ray's loop by the first call
         self.turn = 0  # the number of the call whose turn it is
         self.begun = 0  # index calls whose loads have started (they start in call order)
         self.skipped: list[SkippedLoad] = []
-        self.failure: wire.Failed | None = None
+        self.failure: wire.Failed | None = None  # the worker's end: every later call's reply
         self.stack = contextlib.AsyncExitStack()  # the set-up's: left with the process
         self.serving: Serving | None = None
-        self.stage: LoadStage | None = None
         self.replies: AsyncGenerator[Reply, None] | None = None
         self.last: Reply | None = None  # a stream that ended answers with its last word
-        _carry_tensors_out_of_band()
-        try:  # a process worker's set-up (``serve``), on the actor's loop
+        from ray.util import register_serializer  # every CPU tensor this actor sends
+
+        register_serializer(torch.Tensor, serializer=tensor_out, deserializer=tensor_in)
+        try:  # a process worker's set-up, on the actor's loop
             self.serving = self._run(self.stack.enter_async_context(
                 serving(spec, self._report)))
         except Exception as exc:  # noqa: BLE001 - the first call answers with it
             self.failure = _raised(exc)
-        else:
-            self.stage = self.serving.stage
 
     async def _report(self, skipped: SkippedLoad) -> None:
         self.skipped.append(skipped)
@@ -197,17 +164,29 @@ class RayWorker:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def _in_turn(self, call: int, work: Callable[..., Reply], *args: Any) -> Reply:
-        """Run ``work(*args)`` in the work thread once calls ``0 .. call - 1`` are done."""
-        if self.turns is None:
-            self.turns = asyncio.Condition()
+        """Run ``work(*args)`` in the work thread once calls ``0 .. call - 1`` are done
+        (once the worker failed, its failure is every reply)."""
         async with self.turns:
             await self.turns.wait_for(lambda: self.turn == call)
         try:
+            if self.failure is not None:
+                return self.failure
             return await asyncio.get_running_loop().run_in_executor(self.work, work, *args)
         finally:
             async with self.turns:
                 self.turn += 1
                 self.turns.notify_all()
+
+    def _timed(self, work: Callable[..., Reply], *args: Any) -> Reply:
+        """``work(*args)``, its time counted as busy; its exception ends the worker."""
+        began = time.monotonic()
+        try:
+            return work(*args)
+        except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
+            self.failure = _raised(exc)
+            return self.failure
+        finally:
+            self.busy += time.monotonic() - began
 
     async def hello(self) -> Hello:
         import ray
@@ -226,28 +205,23 @@ class RayWorker:
         With a load stage, the batch's loads start as soon as the calls before it started
         theirs, not when its turn comes: loads overlap across the batches in flight (the
         parent's calls bound them, the stage's gate too), as in a process worker."""
-        loading = await self._start_loads(call, indices) if self.stage is not None else None
+        loading: Future[list[Any]] | None = None
+        stage = self.serving.stage if self.serving is not None else None
+        if stage is not None:
+            async with self.turns:
+                await self.turns.wait_for(lambda: self.begun == call)
+                self.begun += 1
+                self.turns.notify_all()
+            if self.failure is None:
+                loading = asyncio.run_coroutine_threadsafe(
+                    stage.fetch(self.spec.source, indices), self.loop)
         return await self._in_turn(call, self._fetch, seq, indices, loading)
-
-    async def _start_loads(self, call: int, indices: list[int]) -> Future[list[Any]] | None:
-        if self.turns is None:
-            self.turns = asyncio.Condition()
-        async with self.turns:
-            await self.turns.wait_for(lambda: self.begun == call)
-            self.begun += 1
-            self.turns.notify_all()
-        if self.failure is not None or self.stage is None:
-            return None
-        return asyncio.run_coroutine_threadsafe(self.stage.fetch(self.spec.source, indices),
-                                                self.loop)
 
     def _fetch(self, seq: int, indices: list[int],
                loading: Future[list[Any]] | None = None) -> Reply:
         """Batch ``seq``, built. Its dataset's or collate's error is that batch's and the
         next call's batch follows, as a process worker's (``_worker._run_index``) and
         torch's; with a load stage, it ends the worker, as it ends a process's."""
-        if self.failure is not None:
-            return self.failure
         assert self.serving is not None
         pipe = self.serving.pipe
         began = time.monotonic()
@@ -262,57 +236,36 @@ class RayWorker:
             self.failure = _raised(exc)
             return self.failure
         finally:
-            self.clock.busy += time.monotonic() - began
-        return Built(seq, mark, value, tensors_nbytes(value), self.clock.busy, retire,
+            self.busy += time.monotonic() - began
+        return Built(seq, mark, value, tensors_nbytes(value), self.busy, retire,
                      self._taken_skips())
 
     # ------------------------------------------------------------------ streams
 
     async def next(self, call: int) -> Reply:
         """A stream's next reply: a batch, a pass end, or the hand-over when recycling."""
-        return await self._in_turn(call, self._next)
+        return await self._in_turn(call, self._timed, self._next)
 
     def _next(self) -> Reply:
-        if self.failure is not None:
-            return self.failure
         if self.replies is None:
             self.replies = self._stream()
-        began = time.monotonic()
         try:
-            reply = self._run(_next(self.replies))
+            self.last = self._run(_next(self.replies))
         except StopAsyncIteration:  # an instances pass or a hand-over said its last word
             assert self.last is not None
-            return self.last
-        except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
-            self.failure = _raised(exc)
-            return self.failure
-        finally:
-            self.clock.busy += time.monotonic() - began
-        self.last = reply
-        return reply
+        return self.last
 
     async def rewind(self, call: int, pass_no: int) -> Reply:
-        """Drop the stream's pass under way and start pass ``pass_no`` from its beginning
-        (call ``call``, in its turn after the calls made before it, whose batches the parent
-        drops): :class:`~aioloader.plane._wire.Rewound`, as a process worker answers its
-        ``Rewind``. The source's iterator is closed and ``iter(dataset)`` called again, as
-        torch's persistent worker does for a new epoch; the actor and its set-up stay."""
-        return await self._in_turn(call, self._rewind, pass_no)
+        """Drop the stream's pass under way (the parent drops what the calls before this one
+        bring) and answer ``Rewound``: the source's iterator is closed and called again for
+        pass ``pass_no``, as torch's persistent worker does; the actor and its set-up stay."""
+        return await self._in_turn(call, self._timed, self._rewind, pass_no)
 
     def _rewind(self, pass_no: int) -> Reply:
-        if self.failure is not None:
-            return self.failure
         if isinstance(self.last, Retire):  # handed over: its successor answers the rewind
             return self.last
-        began = time.monotonic()
-        try:
-            if self.replies is not None:
-                self._run(aclose(self.replies))
-        except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
-            self.failure = _raised(exc)
-            return self.failure
-        finally:
-            self.clock.busy += time.monotonic() - began
+        if self.replies is not None:
+            self._run(aclose(self.replies))
         self.replies = self._stream(ShardPosition(pass_no))
         return wire.Rewound(pass_no)
 
@@ -326,7 +279,7 @@ class RayWorker:
                 if isinstance(event, Build):
                     yield self._built(event)
                 elif isinstance(event, PassEnd):
-                    yield PassOver(event.pass_no, event.batches, self.clock.busy,
+                    yield PassOver(event.pass_no, event.batches, self.busy,
                                    self._taken_skips())
                 else:
                     yield Retire(event.position, self._taken_skips())
@@ -339,11 +292,11 @@ class RayWorker:
         assert self.serving is not None
         make, mark = self.serving.making(event.batch)
         if not isinstance(event.batch, Batch):
-            return Built(event.seq, mark, make(), 0, self.clock.busy,
+            return Built(event.seq, mark, make(), 0, self.busy,
                          skipped=self._taken_skips())
         try:
             value = make()
         except Exception as exc:  # noqa: BLE001 - that batch's error; the stream goes on
             return wire.BatchFailed(event.seq, *described(exc, None), None, mark)
-        return Built(event.seq, mark, value, tensors_nbytes(value), self.clock.busy,
+        return Built(event.seq, mark, value, tensors_nbytes(value), self.busy,
                      skipped=self._taken_skips())

@@ -13,13 +13,17 @@ import concurrent.futures
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
 from typing import Any, cast
 
 from .._options import RAY_MISSING
 from ._ray_actor import Hello, Reply
 
 LOOKUP_WAIT = 5.0  # seconds a death's message waits for Ray to say where the actor ran
+
+# connect()'s requests, served by the thread that starts Ray (_serve_init)
+_init_requests: queue.SimpleQueue[concurrent.futures.Future[None]] = queue.SimpleQueue()
+_init_thread: threading.Thread | None = None
+_init_lock = threading.Lock()
 
 
 def ray_module() -> Any:
@@ -34,29 +38,33 @@ def ray_module() -> Any:
 async def connect() -> None:
     """``ray.init()`` unless the caller did: the caller's context when there is one
     (``ray.init(address=...)`` or ``RAY_ADDRESS``), else a local Ray. Seconds, so not on the
-    loop; and on the thread that lives as long as the process, not a throwaway one (see
-    :func:`_on_init_thread`, issue 22 audit)."""
-    if not ray_module().is_initialized():
-        await asyncio.wrap_future(_on_init_thread(_init))
-
-
-async def settled(refs: list[Any], timeout: float) -> None:
-    """Wait up to ``timeout`` for every ObjectRef of ``refs`` to resolve, raising nothing;
-    ``refs`` is empty after.
-
-    Blocking, in a thread, and the refs dropped there: nothing may hold one once this
-    returns. An awaited ref resolves from a callback on Ray's own thread, which still
-    held the ref for a moment after this loop saw the result, and an executor's call
-    holds its arguments a moment after its result is out: a close returned with its
-    probes still owned here (1-5 closes of 25 on the 2-core machine beside one busy
-    process; tests/test_ray.py).
-    """
-    if refs:
-        await asyncio.to_thread(wait_and_drop, refs, timeout)
+    loop; and on the thread that lives as long as the process (:func:`_serve_init`). A Ray
+    the loader started stays up for the process, as a forkserver does: shutting it down
+    would end any other Ray work of the process."""
+    global _init_thread
+    if ray_module().is_initialized():
+        return
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    with _init_lock:
+        if _init_thread is None or not _init_thread.is_alive():  # (none yet, or forked)
+            _init_thread = threading.Thread(target=_serve_init, name="aioloader-ray-init",
+                                            daemon=True)
+            _init_thread.start()
+        _init_requests.put(done)
+    await asyncio.wrap_future(done)
 
 
 def wait_and_drop(refs: list[Any], timeout: float) -> None:
-    """Block until every ref of ``refs`` resolved (``timeout`` at most), then empty it."""
+    """Block until every ObjectRef of ``refs`` resolved (``timeout`` at most), raising
+    nothing, then empty ``refs``.
+
+    A close awaits this in a thread and the refs are dropped there: nothing may hold one
+    once it returns. An awaited ref resolves from a callback on Ray's own thread, which
+    still held the ref for a moment after the loop saw the result, and an executor's call
+    holds its arguments a moment after its result is out: a close returned with its probes
+    still owned (1-5 closes of 25 on the 2-core machine beside one busy process;
+    tests/test_ray.py).
+    """
     try:
         if refs:
             with contextlib.suppress(Exception):
@@ -102,21 +110,9 @@ def _where_it_was(handle: Any) -> Hello | None:
     return Hello(node, host, pid)
 
 
-def _init() -> None:
-    """``ray.init()``, on the thread kept for the life of the process (:func:`connect`)."""
-    ray = ray_module()
-    if not ray.is_initialized():  # (another loader's start may have come first)
-        ray.init(ignore_reinit_error=True, log_to_driver=True)
-
-
-_Job = tuple[Callable[[], None], concurrent.futures.Future[None]]
-_init_jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-_init_thread: threading.Thread | None = None
-_init_lock = threading.Lock()
-
-
-def _on_init_thread(job: Callable[[], None]) -> concurrent.futures.Future[None]:
-    """Run ``job`` (``ray.init``) on the thread kept for the process's life.
+def _serve_init() -> None:
+    """``ray.init()`` for each :func:`connect` that asks, on a thread kept for the process's
+    life.
 
     Ray starts its node's processes (GCS, raylet, agents) with PR_SET_PDEATHSIG, which
     fires when the *thread* that started them exits. Started from asyncio.to_thread, they
@@ -127,24 +123,14 @@ def _on_init_thread(job: Callable[[], None]) -> concurrent.futures.Future[None]:
     ``ray.shutdown()``, which stops those processes in order; this thread ends only with
     the process.
     """
-    global _init_thread
-    done: concurrent.futures.Future[None] = concurrent.futures.Future()
-    with _init_lock:
-        if _init_thread is None or not _init_thread.is_alive():  # (none yet, or forked)
-            _init_thread = threading.Thread(target=_serve_init, name="aioloader-ray-init",
-                                            daemon=True)
-            _init_thread.start()
-        _init_jobs.put((job, done))
-    return done
-
-
-def _serve_init() -> None:
+    ray = ray_module()
     while True:
-        job, done = _init_jobs.get()
+        done = _init_requests.get()
         if not done.set_running_or_notify_cancel():
             continue
         try:
-            job()
+            if not ray.is_initialized():  # (another loader's start may have come first)
+                ray.init(ignore_reinit_error=True, log_to_driver=True)
         except BaseException as exc:  # noqa: BLE001 - the caller's to raise
             done.set_exception(exc)
         else:
