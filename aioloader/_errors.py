@@ -51,11 +51,9 @@ _MIXED_LOCK = threading.Lock()
 
 def worker_error_for(original: BaseException | None, message: str, *, worker_id: int | None,
                      pid: int | None) -> WorkerError:
-    """A :class:`WorkerError` that is also an instance of ``type(original)`` when Python
-    allows it (``KeyErrorFromWorker(WorkerError, KeyError)``, one class per type), else a
-    plain one. Its args are ``(message,)`` as with torch's re-raise; the original's
-    attributes are copied (``errno``, ``filename``, a user's own), the original itself is
-    the ``__cause__``."""
+    """A :class:`WorkerError` that is also of ``type(original)`` where Python allows it
+    (``KeyErrorFromWorker(WorkerError, KeyError)``, one class per type), else a plain one;
+    its args ``(message,)`` as torch's re-raise, the original's attributes copied."""
     cls = _mixed_type(type(original)) if original is not None else None
     if cls is None:  # (one that _mixed_type made can be rebuilt: it tried)
         return WorkerError(message, worker_id=worker_id, pid=pid)

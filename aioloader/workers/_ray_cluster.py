@@ -88,26 +88,25 @@ async def first_reply(calls: collections.deque[Any]) -> Reply | BaseException:
 
 
 async def looked_up(handle: Any) -> Hello | None:
-    """:func:`_where_it_was`, off the loop, within ``LOOKUP_WAIT``; None where Ray does not
-    say in time (or fails to)."""
-    with contextlib.suppress(Exception):
-        return await asyncio.wait_for(asyncio.to_thread(_where_it_was, handle), LOOKUP_WAIT)
-    return None
-
-
-def _where_it_was(handle: Any) -> Hello | None:
     """Where the actor of ``handle`` ran, as Ray's actor table says (for one that died
-    before its Hello); None where Ray does not know. Blocking: GCS calls."""
-    ray = ray_module()
-    # (private: no public call of Ray 2.60 gives a dead actor's node and pid)
-    info = ray._private.state.actors(actor_id=handle._actor_id.hex())
-    node: str = info.get("Address", {}).get("NodeID", "")
-    pid: int = info.get("Pid", 0)
-    if not pid or not node.strip("f"):  # (never placed: no pid, a nil node ID)
-        return None
-    host = next((n.get("NodeManagerHostname", "?") for n in ray.nodes()
-                 if n.get("NodeID") == node), "?")
-    return Hello(node, host, pid)
+    before its Hello), asked off the loop; None where Ray does not know, or does not say
+    within ``LOOKUP_WAIT``."""
+
+    def where() -> Hello | None:  # blocking: GCS calls
+        ray = ray_module()
+        # (private: no public call of Ray 2.60 gives a dead actor's node and pid)
+        info = ray._private.state.actors(actor_id=handle._actor_id.hex())
+        node: str = info.get("Address", {}).get("NodeID", "")
+        pid: int = info.get("Pid", 0)
+        if not pid or not node.strip("f"):  # (never placed: no pid, a nil node ID)
+            return None
+        host = next((n.get("NodeManagerHostname", "?") for n in ray.nodes()
+                     if n.get("NodeID") == node), "?")
+        return Hello(node, host, pid)
+
+    with contextlib.suppress(Exception):
+        return await asyncio.wait_for(asyncio.to_thread(where), LOOKUP_WAIT)
+    return None
 
 
 def _serve_init() -> None:
