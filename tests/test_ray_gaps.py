@@ -17,7 +17,9 @@ Bugs this audit found, fixed (issue 22 audit), each a test below:
   ``max_worker_restarts``, as worker processes heal it, and, without restarts, leaves no
   object of Ray's owned after close without a garbage collection;
 - a Ray the loader started itself (no ``ray.init`` in the program) serves the next loader
-  (it died with the thread that started it), and leaves no process behind the program.
+  (it died with the thread that started it), and leaves no process behind the program;
+- a map-style batch's ``CollateKeyError`` names the sample's dataset index, as with worker
+  processes (the actor gave the collate no indices).
 """
 
 from __future__ import annotations
@@ -385,6 +387,34 @@ def test_worker_died_names_the_node_host_and_pid(cluster: Cluster) -> None:  # n
     assert info.value.worker_id == 1
     assert "worker 1" in message and f"pid {victim.pid}" in message
     assert f"node {victim.node[:12]}" in message and socket.gethostname() in message
+    assert_clean(pids)
+
+
+def _collate_key_error(loader: aioloader.DataLoader) -> tuple[BaseException, list[int]]:
+    """The error of iterating ``loader`` (closed after), and its workers' pids."""
+    pids: list[int] = []
+    try:
+        with pytest.raises(aioloader.CollateKeyError) as info:
+            for _ in loader:
+                pids = pids_of(loader)
+        return info.value, pids
+    finally:
+        loader.close()
+
+
+def test_collate_key_error_names_the_index_as_with_processes(cluster: Cluster) -> None:  # noqa: F811
+    """The sample at index 6 (place 2 of the second batch) lacks the key "x": the error
+    names its index under Ray too (the actor passed no indices to the collate before)."""
+    data = [{"x": i} if i != 6 else {"y": i} for i in range(12)]
+    common: dict[str, Any] = dict(batch_size=4, num_workers=1, quiet=True)
+    expected, _ = _collate_key_error(aioloader.DataLoader(data, **common))
+    got, pids = _collate_key_error(aioloader.DataLoader(data, **RAY, **common))
+    for err in (expected, got):
+        assert isinstance(err, KeyError) and isinstance(err, aioloader.WorkerError)
+        assert isinstance(err.__cause__, aioloader.CollateKeyError)
+    assert "sample 2 of the batch (index 6) has no key 'x'" in str(expected.__cause__)
+    assert str(got.__cause__) == str(expected.__cause__)
+    assert (got.sample, got.position) == (expected.sample, expected.position) == (6, 2)
     assert_clean(pids)
 
 

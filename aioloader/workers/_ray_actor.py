@@ -227,7 +227,8 @@ class RayWorker:
         began = time.monotonic()
         try:
             items = loading.result() if loading is not None else pipe.fetch(indices)
-            make, mark = self.serving.answering(items)
+            # the indices a CollateKeyError names, as a process's (none with a load stage)
+            make, mark = self.serving.answering(items, indices if loading is None else None)
             value = make()
             retire = self.serving.retirement.batch_done()
         except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
