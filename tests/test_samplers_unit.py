@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from aioloader.plans._batcher import Batcher, Group, plan_indices
 from aioloader.plans._samplers import (
+    Batches,
     BatchSampler,
     BucketBatchSampler,
     current_rng,
     derive_seed,
     index_batches,
     num_batches,
-    split_batches,
     torch_generator,
     use_rng,
 )
@@ -138,12 +138,12 @@ def test_index_batches_shuffles_with_randperm() -> None:
     )
 
 
-def test_split_batches() -> None:
-    assert split_batches(torch.arange(7), 3, False) == [[0, 1, 2], [3, 4, 5], [6]]
-    assert split_batches(torch.arange(7), 3, True) == [[0, 1, 2], [3, 4, 5]]
-    assert split_batches(torch.arange(10)[1::2], 2, False) == [[1, 3], [5, 7], [9]]
-    assert split_batches(torch.arange(2), 3, True) == []
-    assert split_batches(torch.arange(0), 3, False) == []
+def test_batches_cut_an_index_tensor() -> None:
+    assert Batches(torch.arange(7), 3, False) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert Batches(torch.arange(7), 3, True) == [[0, 1, 2], [3, 4, 5]]
+    assert Batches(torch.arange(10)[1::2], 2, False) == [[1, 3], [5, 7], [9]]
+    assert Batches(torch.arange(2), 3, True) == []
+    assert Batches(torch.arange(0), 3, False) == []
 
 
 def test_num_batches_validates() -> None:

@@ -9,8 +9,6 @@ from typing import Any, NamedTuple
 
 from ._samplers import BatchSampler, check_options, current_rng, derive_seed, index_batches, use_rng
 
-__all__ = ["Batcher", "Group", "plan_indices"]
-
 
 def plan_indices(
     instances_or_len: Sequence[Any] | int,
@@ -155,14 +153,8 @@ class Batcher:
 
     def _close_block(self, last: bool = False) -> list[Group]:
         chunk, self._pending = self._pending, []
-        rng = random.Random(derive_seed(self._seed, self.block))
-        if self._sampler is not None:
-            # The sampler draws from current_rng(): make that this block's generator.
-            with use_rng(rng):
-                plan = [list(b) for b in self._sampler.get_batch_indices(chunk)]
-        else:
-            plan = plan_indices(len(chunk), batch_size=self._batch_size,
-                                drop_last=self._drop_last and last, shuffle=True,
-                                sampler=None, rng=rng)
+        plan = plan_indices(chunk, batch_size=self._batch_size, drop_last=self._drop_last and last,
+                            shuffle=self._sampler is None, sampler=self._sampler,
+                            rng=random.Random(derive_seed(self._seed, self.block)))
         return [Group(self.block, k, [chunk[i] for i in b], len(chunk))
                 for k, b in enumerate(plan)]

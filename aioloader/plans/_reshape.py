@@ -151,7 +151,7 @@ def _left(delivered: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
 
 
 def _target(spec: PlanSpec, world: int, left: list[torch.Tensor]) -> int | None:
-    """The batch count ranks agree on under ``even_batches`` (what ``all_reduce`` agrees on
+    """The batch count ranks agree on under ``even_batches`` (what ``maxima`` agrees on
     in a pass that was not resumed): computed here, since every rank's share is known."""
     if world == 1 or not spec.even_batches:
         return None

@@ -13,19 +13,6 @@ from typing import Any, TypeVar, overload
 import numpy as np
 import torch
 
-__all__ = [
-    "BatchSampler",
-    "BucketBatchSampler",
-    "check_options",
-    "current_rng",
-    "derive_seed",
-    "index_batches",
-    "num_batches",
-    "split_batches",
-    "torch_generator",
-    "use_rng",
-]
-
 T = TypeVar("T")
 
 # ------------------------------------------------------------------------------- randomness
@@ -145,11 +132,6 @@ class Batches(Sequence[list[int]]):
         return repr(list(self))
 
 
-def split_batches(order: torch.Tensor, batch_size: int, drop_last: bool) -> Batches:
-    """A 1-D index tensor cut into batches of `batch_size`; drop_last drops a short last one."""
-    return Batches(order, batch_size, drop_last)
-
-
 def index_batches(
     n: int,
     batch_size: int,
@@ -163,13 +145,11 @@ def index_batches(
     The shuffle is `torch.randperm` (a Python-list shuffle of 2M indices takes ~1 s); a
     `random.Random` given as `rng` seeds the torch generator with 64 of its bits.
     """
-    _check_batch_size(batch_size)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    num_batches(n, batch_size, drop_last)  # checks n and batch_size
     if not shuffle:
-        return list(split_batches(torch.arange(n), batch_size, drop_last))
+        return list(Batches(torch.arange(n), batch_size, drop_last))
     generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))
-    return list(split_batches(torch.randperm(n, generator=generator), batch_size, drop_last))
+    return list(Batches(torch.randperm(n, generator=generator), batch_size, drop_last))
 
 
 # ------------------------------------------------------------------------------- samplers
