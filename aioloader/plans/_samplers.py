@@ -75,14 +75,41 @@ def torch_generator(seed: int) -> torch.Generator:
     return generator
 
 
-class Batches(Sequence[list[int]]):
-    """A 1-D index tensor seen as batches of ``batch_size``: each batch becomes a list only
-    when it is asked for.
+class Lazy(Sequence[list[int]]):
+    """A plan whose batches become lists only when asked for (``batch(i)``, ``0 <= i <
+    len``); compares equal to the list of its batches."""
+
+    @overload
+    def __getitem__(self, i: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[int]]: ...
+    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(i, slice):
+            return [self.batch(k) for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"batch {i} of {len(self)}")
+        return self.batch(i % len(self))
+
+    def batch(self, i: int) -> list[int]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Lazy):
+            other = list(other)
+        return isinstance(other, list) and list(self) == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+class Batches(Lazy):
+    """A 1-D index tensor seen as batches of ``batch_size``.
 
     An epoch of 2,000,000 indices as 62,500 Python lists costs ~100 ms to build and sets off
     a full garbage collection that holds the GIL for another ~250 ms (the event loop waits
-    for it, issue 9); as a tensor the plan is O(1) to hold and O(batch) per batch. Compares
-    equal to the list of its batches.
+    for it, issue 9); as a tensor the plan is O(1) to hold and O(batch) per batch.
     """
 
     _BLOCK = 1 << 14  # indices turned into Python ints at a time (one flat list, not lists)
@@ -102,17 +129,7 @@ class Batches(Sequence[list[int]]):
         """The indices of the first ``k`` batches, as one tensor."""
         return self._order[: k * self._batch_size]
 
-    @overload
-    def __getitem__(self, i: int) -> list[int]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[list[int]]: ...
-    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self._len))]
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"batch {i} of {self._len}")
+    def batch(self, i: int) -> list[int]:
         block, k = divmod(i, self._per_block)
         if block != self._block:  # batch by batch, tolist() would cost ~10 us each
             size = self._per_block * self._batch_size
@@ -120,16 +137,6 @@ class Batches(Sequence[list[int]]):
             self._block = block
         start = k * self._batch_size
         return self._flat[start:start + self._batch_size]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Batches):
-            other = list(other)
-        return isinstance(other, list) and list(self) == other
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(list(self))
 
 
 def index_batches(

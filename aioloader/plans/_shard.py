@@ -54,8 +54,7 @@ class Shard:
                 raise ValueError(f"the state holds a position of {type(source).__name__}'s "
                                  "own, but it has no load_state_dict()")
             self._stateful.load_state_dict(start.state)
-            skip = 0
-        self.skipped = skip  # instances read again and dropped to get back to the start
+            skip = 0  # (else the instances before the start are read again and dropped)
         opened = open_pass(source, kind, data_path, worker, num_workers, rank, world_size)
         if errors_go_on and isinstance(opened, Iterator):  # (an IterableDataset's iter())
             opened = _going_on(opened)
@@ -116,7 +115,6 @@ class Kept:
             self._last = self._raws.popleft()
             self._marked += 1
         return self._last + 1
-
 
 
 DROP = object()  # what a pick returns for an item left out
