@@ -1,38 +1,12 @@
-"""Cutting a pass into batches: a cached list's index plan, and a stream's blocks (the
-Batcher), each block seeded by its number so that a pass resumes at any block; pure, no I/O."""
+"""Cutting a stream's pass into batches: blocks, each seeded by its number so that a pass
+resumes at any block; pure, no I/O."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._samplers import BatchSampler, check_options, current_rng, derive_seed, index_batches, use_rng
-
-
-def plan_indices(
-    instances_or_len: Sequence[Any] | int,
-    *,
-    batch_size: int | None,
-    drop_last: bool,
-    shuffle: bool,
-    sampler: BatchSampler | None,
-    rng: random.Random,
-) -> list[list[int]]:
-    """Index batches for a cached list (or a map-style dataset's length); agrees with `Batcher`.
-
-    Without a sampler the shuffle is `index_batches`' (torch.randperm seeded from `rng`); a
-    sampler draws from `rng` through `current_rng()`.
-    """
-    check_options(batch_size, drop_last, shuffle, sampler)
-    if sampler is not None:
-        if isinstance(instances_or_len, int):
-            raise TypeError("plan_indices: a sampler needs the instances, not their number")
-        with use_rng(rng):
-            return [list(b) for b in sampler.get_batch_indices(instances_or_len)]
-    assert batch_size is not None  # check_options
-    n = instances_or_len if isinstance(instances_or_len, int) else len(instances_or_len)
-    return index_batches(n, batch_size, drop_last=drop_last, shuffle=shuffle, rng=rng)
+from ._samplers import BatchSampler, check_options, current_rng, derive_seed, index_batches
 
 
 class Group(NamedTuple):
@@ -153,8 +127,8 @@ class Batcher:
 
     def _close_block(self, last: bool = False) -> list[Group]:
         chunk, self._pending = self._pending, []
-        plan = plan_indices(chunk, batch_size=self._batch_size, drop_last=self._drop_last and last,
-                            shuffle=self._sampler is None, sampler=self._sampler,
-                            rng=random.Random(derive_seed(self._seed, self.block)))
+        plan = index_batches(chunk, self._batch_size, drop_last=self._drop_last and last,
+                             shuffle=self._sampler is None, sampler=self._sampler,
+                             rng=random.Random(derive_seed(self._seed, self.block)))
         return [Group(self.block, k, [chunk[i] for i in b], len(chunk))
                 for k, b in enumerate(plan)]

@@ -17,13 +17,13 @@ from typing import Any, overload
 
 import torch
 
-from ._batcher import plan_indices
 from ._distributed import even_out, shard_order, share_size
 from ._samplers import (
     Batches,
     BatchSampler,
     check_options,
     derive_seed,
+    index_batches,
     num_batches,
     torch_generator,
 )
@@ -186,8 +186,8 @@ def _sampler_batches(
 ) -> list[list[int]]:
     """A BatchSampler's batches of `instances` (a rank's `_Share`, or the data whole), as
     indices into the data."""
-    local = plan_indices(instances, batch_size=None, drop_last=False, shuffle=False,
-                         sampler=spec.sampler, rng=random.Random(_epoch_seed(spec, epoch, policy)))
+    local = index_batches(instances, None, drop_last=False, shuffle=False, sampler=spec.sampler,
+                          rng=random.Random(_epoch_seed(spec, epoch, policy)))
     if isinstance(instances, _Share):
         return [[instances.indices[i] for i in b] for b in local]
     return local

@@ -14,8 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .._errors import ResumeError
-from ._batcher import plan_indices
-from ._samplers import derive_seed
+from ._samplers import derive_seed, index_batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,10 +284,9 @@ def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
     if not shuffled:
         return raws[: p.batches * options.batch_size]
     capacity = max((options.chunk_size or need) // options.batch_size, 1) * options.batch_size
-    plan = plan_indices(len(raws), batch_size=options.batch_size,
-                        drop_last=options.drop_last and len(raws) < capacity, shuffle=True,
-                        sampler=None, rng=random.Random(derive_seed(level.seeds[k],
-                                                                    p.start.block)))
+    plan = index_batches(len(raws), options.batch_size,
+                         drop_last=options.drop_last and len(raws) < capacity, shuffle=True,
+                         rng=random.Random(derive_seed(level.seeds[k], p.start.block)))
     return [raws[i] for batch in plan[: p.batches] for i in batch]
 
 

@@ -140,19 +140,31 @@ class Batches(Lazy):
 
 
 def index_batches(
-    n: int,
-    batch_size: int,
+    instances_or_n: Sequence[Any] | int,
+    batch_size: int | None,
     *,
     drop_last: bool,
     shuffle: bool,
     rng: random.Random | torch.Generator,
+    sampler: BatchSampler | None = None,
 ) -> list[list[int]]:
-    """Indices 0..n-1, shuffled when asked, cut into batches; drop_last drops a short last one.
+    """The index batches of a cached list (or of a dataset's length), as `Batcher` cuts one
+    block: `sampler`'s, drawing from `rng` through `current_rng()`; else indices 0..n-1,
+    shuffled when asked, cut into batches (drop_last drops a short last one).
 
     The shuffle is `torch.randperm` (a Python-list shuffle of 2M indices takes ~1 s); a
     `random.Random` given as `rng` seeds the torch generator with 64 of its bits.
     """
-    num_batches(n, batch_size, drop_last)  # checks n and batch_size
+    check_options(batch_size, drop_last, shuffle, sampler)
+    if sampler is not None:
+        if isinstance(instances_or_n, int):
+            raise TypeError("index_batches: a sampler needs the instances, not their number")
+        assert isinstance(rng, random.Random), "a BatchSampler draws from a random.Random"
+        with use_rng(rng):
+            return [list(b) for b in sampler.get_batch_indices(instances_or_n)]
+    assert batch_size is not None  # check_options
+    n = instances_or_n if isinstance(instances_or_n, int) else len(instances_or_n)
+    num_batches(n, batch_size, drop_last)  # checks n
     if not shuffle:
         return list(Batches(torch.arange(n), batch_size, drop_last))
     generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._position import PASS_START, BlockStart
-from ._sources import Kind, aclose, is_async, is_stateful, open_pass, shard_spec, unhooked
+from ._sources import Kind, aclose, is_stateful, open_pass, shard_spec, unhooked
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +138,9 @@ def _picked(stream: Iterable[Any] | AsyncIterable[Any], pick: Callable[[int, Any
             ) -> Iterable[Any] | AsyncIterable[Any]:
     """What ``pick(n, item)`` makes of the n-th item of ``stream``, sync or async alike, but
     for the items it leaves out (``DROP``)."""
-    if is_async(stream):
-        return _apicked(stream, pick)  # type: ignore[arg-type]
-    picked = itertools.starmap(pick, enumerate(stream))  # type: ignore[arg-type]
+    if isinstance(stream, AsyncIterable):
+        return _apicked(stream, pick)
+    picked = itertools.starmap(pick, enumerate(stream))
     return (out for out in picked if out is not DROP)
 
 
@@ -173,8 +173,8 @@ def _from(stream: Iterable[Any] | AsyncIterable[Any], first: int,
     """Items ``first, first + step, ...`` of ``stream`` (the stream itself when (0, 1))."""
     if first == 0 and step == 1:
         return stream
-    if not is_async(stream):
-        return itertools.islice(stream, first, None, step)  # type: ignore[arg-type]
+    if not isinstance(stream, AsyncIterable):
+        return itertools.islice(stream, first, None, step)
     return _picked(stream, lambda n, item: item if n >= first and (n - first) % step == 0
                    else DROP)
 
