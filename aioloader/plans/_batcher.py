@@ -22,20 +22,13 @@ class Group(NamedTuple):
 class Batcher:
     """Turns a stream of instances into batches, push-style, for sync and async loops alike.
 
-    The stream is cut into **blocks** of `chunk_size` instances (None: the whole pass is one
-    block); without a sampler a block is rounded down to whole batches. A block is shuffled
-    (or given to the sampler) with its own generator, seeded from (`seed`, block number), and
-    batches never span two blocks except that, without shuffling or a sampler, they stream
-    out as soon as they are full. So a pass can be resumed from the start of any block: its
-    batches are a function of the block's instances and number alone (issue 10). At most
-    `chunk_size` instances are held. After `finish()` it is ready for the next pass.
-
-    `seed` None draws one from `current_rng()` at construction. `first_block` numbers the
-    first block (a pass resumed at that block).
+    The stream is cut into blocks of `chunk_size` instances (None: the pass is one block;
+    without a sampler, rounded down to whole batches), each shuffled or given to the sampler
+    with a generator seeded from (`seed`, block number), so that a pass resumes at any block
+    (issue 10); without either, batches stream out as they fill. `seed` None draws one from
+    `current_rng()`; `first_block` numbers the first block (a resumed pass).
 
     Examples:
-        batcher = Batcher(batch_size=2, drop_last=False, shuffle=True, sampler=None,
-                          chunk_size=100, seed=7)
         for instance in stream:
             for group in batcher.feed(instance):
                 yield group.items
@@ -58,7 +51,6 @@ class Batcher:
             raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
         self._batch_size = batch_size
         self._drop_last = drop_last
-        self._shuffle = shuffle
         self._sampler = sampler
         self._seed = current_rng().getrandbits(64) if seed is None else seed
         if chunk_size is None or sampler is not None:

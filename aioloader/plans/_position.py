@@ -117,11 +117,7 @@ class Batching(Protocol):
     @property
     def batch_size(self) -> int | None: ...
     @property
-    def drop_last(self) -> bool: ...
-    @property
     def shuffle(self) -> bool: ...
-    @property
-    def chunk_size(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,9 +279,8 @@ def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
             raw += count
     if not shuffled:
         return raws[: p.batches * options.batch_size]
-    capacity = max((options.chunk_size or need) // options.batch_size, 1) * options.batch_size
-    plan = index_batches(len(raws), options.batch_size,
-                         drop_last=options.drop_last and len(raws) < capacity, shuffle=True,
+    # (drop_last, which a last short block had, cuts no batch before the ones delivered)
+    plan = index_batches(len(raws), options.batch_size, drop_last=False, shuffle=True,
                          rng=random.Random(derive_seed(level.seeds[k], p.start.block)))
     return [raws[i] for batch in plan[: p.batches] for i in batch]
 

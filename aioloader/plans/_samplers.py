@@ -8,12 +8,10 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar, overload
+from typing import Any, overload
 
 import numpy as np
 import torch
-
-T = TypeVar("T")
 
 # ------------------------------------------------------------------------------- randomness
 

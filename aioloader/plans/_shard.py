@@ -26,14 +26,11 @@ class Raised:
 class Shard:
     """This process's shard of one pass over a streaming source, from a block start on.
 
-    The loader's sharding keeps raw positions ``index, index + count, ...``; the raw
-    position after the k-th instance taken is therefore arithmetic, and only the source's
-    own state needs asking for at a block start.
-
-    ``errors_go_on``: an exception of the source's (sync) iterator comes as a
-    :class:`Raised` item, and the same iterator is asked again: torch's IterableDataset
-    worker makes the error that batch's and goes on (issue 32); a generator that raised is
-    over, and so is the pass.
+    The loader's sharding keeps raw positions ``index, index + count, ...``, so positions
+    are arithmetic and only the source's own state is asked for, at block starts.
+    ``errors_go_on``: a (sync) iterator's exception comes as a :class:`Raised` item and the
+    iterator is asked again, as torch's IterableDataset worker does (issue 32; a generator
+    that raised is over, and so is the pass).
     """
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, worker: int,
