@@ -58,7 +58,7 @@ class Batcher:
         else:
             assert batch_size is not None
             self._capacity = max(chunk_size // batch_size, 1) * batch_size
-        self._stream = sampler is None and not shuffle  # batches go out as they fill
+        self.streams = sampler is None and not shuffle  # batches go out as they fill
         self._first_block = first_block
         self.block = first_block  # the block the next instance goes into
         self.filled = 0  # instances in that block so far
@@ -69,7 +69,7 @@ class Batcher:
     def feed(self, instance: Any) -> list[Group]:
         """Take one instance; return the batches it completes (often none)."""
         self.filled += 1
-        if self._stream:
+        if self.streams:
             self._batch.append(instance)
             out = [self._streamed()] if len(self._batch) == self._batch_size else []
         else:
@@ -79,17 +79,12 @@ class Batcher:
             self._next_block()
         return out
 
-    @property
-    def streams(self) -> bool:
-        """Batches go out as they fill (no shuffle, no sampler)."""
-        return self._stream
-
     def fail(self) -> Group:
         """The batch being filled failed (the source raised while it was due): its
         instances are dropped and the failure is that batch, as torch's IterableDataset
         fetcher drops what it had of a batch that raised. It takes the rest of the batch's
         room, so that a block stays whole batches. Streaming only."""
-        assert self._stream and self._batch_size is not None, "a block is cut whole"
+        assert self.streams and self._batch_size is not None, "a block is cut whole"
         self.filled += self._batch_size - len(self._batch)
         self._batch = []
         failed = self._streamed()
@@ -99,7 +94,7 @@ class Batcher:
 
     def finish(self) -> list[Group]:
         """The remaining batches of this pass; resets for the next one."""
-        if self._stream:
+        if self.streams:
             out = [self._streamed()] if self._batch and not self._drop_last else []
         else:
             out = self._close_block(last=True) if self._pending else []

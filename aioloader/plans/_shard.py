@@ -59,7 +59,7 @@ class Shard:
         self._kept: Kept | None = None
         if delivered is not None:  # the pass was resumed on another shape: skip its past
             self._kept = Kept(self.first, self.count, delivered, track=numbered is None)
-            self.stream = self._kept.wrap(self.stream)
+            self.stream = _picked(self.stream, self._kept.pick)
         self.numbered = numbered is not None
         if numbered is not None:  # (number, key) pairs; the keys delivered are left out
             self.stream = _numbered(self.stream, numbered[0], frozenset(numbered[1:]))
@@ -94,11 +94,8 @@ class Kept:
         self._marked = 0
         self._last = -1
 
-    def wrap(self, stream: Iterable[Any] | AsyncIterable[Any]
-             ) -> Iterable[Any] | AsyncIterable[Any]:
-        return _picked(stream, self._pick)
-
-    def _pick(self, n: int, item: Any) -> Any:
+    def pick(self, n: int, item: Any) -> Any:
+        """The n-th item of the shard's stream, or ``DROP``: an earlier shape delivered it."""
         raw, self._next = self._next, self._next + self._count
         if self._delivered(raw):
             return DROP
