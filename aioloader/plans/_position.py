@@ -27,12 +27,8 @@ class BlockStart:
     raw: int
     state: Any = None
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[Any]:  # (read back as BlockStart(*data))
         return [self.block, self.raw, self.state]
-
-    @classmethod
-    def from_wire(cls, data: list[Any]) -> BlockStart:
-        return cls(*data)
 
 
 PASS_START = BlockStart(0, 0, None)
@@ -98,7 +94,7 @@ class ShardTracker:
                 self._low += 1
             self.position = replace(at, keys=(self._low, *sorted(self._done)))
             return
-        begin = BlockStart.from_wire(start) if start is not None else at.start
+        begin = BlockStart(*start) if start is not None else at.start
         if begin.block != block:
             raise AssertionError(f"batch {index} of block {block} arrived without the "
                                  f"block's start (position {self.position})")

@@ -16,7 +16,7 @@ import torch
 
 from .._errors import ResumeError
 from ._planning import PlanSpec, count_batches, deal, global_order, plan_epoch
-from ._samplers import Batches, Lazy
+from ._samplers import Batches, LazyPlan
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def _mark(delivered: torch.Tensor, plan: Sequence[list[int]], taken: int, epoch:
         delivered[batch] = True
 
 
-class _InCache(Lazy):
+class _InCache(LazyPlan):
     """A plan over what is left of a cache, as indices into the cache itself."""
 
     def __init__(self, plan: Sequence[list[int]], where: torch.Tensor) -> None:

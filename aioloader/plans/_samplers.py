@@ -73,7 +73,7 @@ def torch_generator(seed: int) -> torch.Generator:
     return generator
 
 
-class Lazy(Sequence[list[int]]):
+class LazyPlan(Sequence[list[int]]):
     """A plan whose batches become lists only when asked for (``batch(i)``, ``0 <= i <
     len``); compares equal to the list of its batches."""
 
@@ -92,7 +92,7 @@ class Lazy(Sequence[list[int]]):
         raise NotImplementedError
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Lazy):
+        if isinstance(other, LazyPlan):
             other = list(other)
         return isinstance(other, list) and list(self) == other
 
@@ -102,7 +102,7 @@ class Lazy(Sequence[list[int]]):
         return repr(list(self))
 
 
-class Batches(Lazy):
+class Batches(LazyPlan):
     """A 1-D index tensor seen as batches of ``batch_size``.
 
     An epoch of 2,000,000 indices as 62,500 Python lists costs ~100 ms to build and sets off
@@ -162,7 +162,7 @@ def index_batches(
             return [list(b) for b in sampler.get_batch_indices(instances_or_n)]
     assert batch_size is not None  # check_options
     n = instances_or_n if isinstance(instances_or_n, int) else len(instances_or_n)
-    num_batches(n, batch_size, drop_last)  # checks n
+    num_batches(n, batch_size, drop_last)  # a ValueError for n < 0 (torch.arange: RuntimeError)
     if not shuffle:
         return list(Batches(torch.arange(n), batch_size, drop_last))
     generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))
