@@ -10,7 +10,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, overload
 
-import numpy as np
 import torch
 
 # ------------------------------------------------------------------------------- randomness
@@ -292,12 +291,8 @@ def _field(instance: Any, key: str, index: int) -> Any:
 
 
 def _length(value: Any) -> int | None:
-    if isinstance(value, torch.Tensor):
-        return value.size(0) if value.dim() else None
-    if isinstance(value, np.ndarray):
-        return value.shape[0] if value.ndim else None
     try:
-        return len(value)
+        return len(value)  # a tensor's or an array's first dimension; TypeError for a 0-d one
     except TypeError:
         return None
 
