@@ -24,7 +24,6 @@ from aioloader.plans._planning import (
     Sharding,
     count_batches,
     plan_epoch,
-    seed_for,
     sharding,
     worker_seed,
 )
@@ -350,7 +349,6 @@ def test_plan_spec_wants_an_int_seed() -> None:
 
 def test_seeds_keep_their_formulas() -> None:
     spec = PlanSpec(batch_size=2, seed=21, rank=1, world_size=2)
-    assert seed_for(spec, 3) == derive_seed(21, 3, 1, 0)  # the old _Planner.seed_for
     assert worker_seed(spec, 3, 2) == derive_seed(21, 3, 1, 2) & (2**63 - 1)  # WorkerSpec's
     assert 0 <= worker_seed(spec, 3, 2) < 2**63
 

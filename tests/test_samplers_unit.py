@@ -14,15 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader.plans._batcher import Batcher, Group, plan_indices
+from aioloader.plans._batcher import Batcher, Group
 from aioloader.plans._samplers import (
+    Batches,
     BatchSampler,
     BucketBatchSampler,
     current_rng,
     derive_seed,
     index_batches,
     num_batches,
-    split_batches,
     torch_generator,
     use_rng,
 )
@@ -138,12 +138,12 @@ def test_index_batches_shuffles_with_randperm() -> None:
     )
 
 
-def test_split_batches() -> None:
-    assert split_batches(torch.arange(7), 3, False) == [[0, 1, 2], [3, 4, 5], [6]]
-    assert split_batches(torch.arange(7), 3, True) == [[0, 1, 2], [3, 4, 5]]
-    assert split_batches(torch.arange(10)[1::2], 2, False) == [[1, 3], [5, 7], [9]]
-    assert split_batches(torch.arange(2), 3, True) == []
-    assert split_batches(torch.arange(0), 3, False) == []
+def test_batches_cut_an_index_tensor() -> None:
+    assert Batches(torch.arange(7), 3, False) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert Batches(torch.arange(7), 3, True) == [[0, 1, 2], [3, 4, 5]]
+    assert Batches(torch.arange(10)[1::2], 2, False) == [[1, 3], [5, 7], [9]]
+    assert Batches(torch.arange(2), 3, True) == []
+    assert Batches(torch.arange(0), 3, False) == []
 
 
 def test_num_batches_validates() -> None:
@@ -273,10 +273,10 @@ def test_batcher_with_sampler_applies_it_per_chunk(n: int, chunk: int | None) ->
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("use_sampler", [False, True])
-def test_batcher_agrees_with_plan_indices(
+def test_batcher_agrees_with_index_batches(
     shuffle: bool, drop_last: bool, use_sampler: bool
 ) -> None:
-    """A whole pass is one block: planned as plan_indices plans it, with block 0's rng."""
+    """A whole pass is one block: planned as index_batches plans it, with block 0's rng."""
     instances = [{"text": "x" * (i * 7 % 13), "i": i} for i in range(53)]
     if use_sampler:
         sampler: BatchSampler | None = BucketBatchSampler(5, drop_last=drop_last)
@@ -286,7 +286,7 @@ def test_batcher_agrees_with_plan_indices(
         options = dict(batch_size=5, drop_last=drop_last, shuffle=shuffle)
     for seed in range(3):
         block_rng = random.Random(derive_seed(seed, 0))
-        plan = plan_indices(instances, sampler=sampler, rng=block_rng, **options)
+        plan = index_batches(instances, sampler=sampler, rng=block_rng, **options)
         batcher = Batcher(sampler=sampler, chunk_size=None, seed=seed, **options)
         got = feed_all(batcher, instances)
         assert got == [[instances[i] for i in b] for b in plan]
@@ -355,9 +355,9 @@ def test_batcher_validates(options: dict[str, Any]) -> None:
         Batcher(**full)
 
 
-def test_plan_indices_with_a_sampler_needs_instances() -> None:
+def test_index_batches_with_a_sampler_needs_instances() -> None:
     with pytest.raises(TypeError, match="needs the instances"):
-        plan_indices(
+        index_batches(
             10,
             batch_size=None,
             drop_last=False,

@@ -1,40 +1,12 @@
-"""Cutting a pass into batches: a cached list's index plan, and a stream's blocks (the
-Batcher), each block seeded by its number so that a pass resumes at any block; pure, no I/O."""
+"""Cutting a stream's pass into batches: blocks, each seeded by its number so that a pass
+resumes at any block; pure, no I/O."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ._samplers import BatchSampler, check_options, current_rng, derive_seed, index_batches, use_rng
-
-__all__ = ["Batcher", "Group", "plan_indices"]
-
-
-def plan_indices(
-    instances_or_len: Sequence[Any] | int,
-    *,
-    batch_size: int | None,
-    drop_last: bool,
-    shuffle: bool,
-    sampler: BatchSampler | None,
-    rng: random.Random,
-) -> list[list[int]]:
-    """Index batches for a cached list (or a map-style dataset's length); agrees with `Batcher`.
-
-    Without a sampler the shuffle is `index_batches`' (torch.randperm seeded from `rng`); a
-    sampler draws from `rng` through `current_rng()`.
-    """
-    check_options(batch_size, drop_last, shuffle, sampler)
-    if sampler is not None:
-        if isinstance(instances_or_len, int):
-            raise TypeError("plan_indices: a sampler needs the instances, not their number")
-        with use_rng(rng):
-            return [list(b) for b in sampler.get_batch_indices(instances_or_len)]
-    assert batch_size is not None  # check_options
-    n = instances_or_len if isinstance(instances_or_len, int) else len(instances_or_len)
-    return index_batches(n, batch_size, drop_last=drop_last, shuffle=shuffle, rng=rng)
+from ._samplers import BatchSampler, check_options, current_rng, derive_seed, index_batches
 
 
 class Group(NamedTuple):
@@ -50,20 +22,13 @@ class Group(NamedTuple):
 class Batcher:
     """Turns a stream of instances into batches, push-style, for sync and async loops alike.
 
-    The stream is cut into **blocks** of `chunk_size` instances (None: the whole pass is one
-    block); without a sampler a block is rounded down to whole batches. A block is shuffled
-    (or given to the sampler) with its own generator, seeded from (`seed`, block number), and
-    batches never span two blocks except that, without shuffling or a sampler, they stream
-    out as soon as they are full. So a pass can be resumed from the start of any block: its
-    batches are a function of the block's instances and number alone (issue 10). At most
-    `chunk_size` instances are held. After `finish()` it is ready for the next pass.
-
-    `seed` None draws one from `current_rng()` at construction. `first_block` numbers the
-    first block (a pass resumed at that block).
+    The stream is cut into blocks of `chunk_size` instances (None: the pass is one block;
+    without a sampler, rounded down to whole batches), each shuffled or given to the sampler
+    with a generator seeded from (`seed`, block number), so that a pass resumes at any block
+    (issue 10); without either, batches stream out as they fill. `seed` None draws one from
+    `current_rng()`; `first_block` numbers the first block (a resumed pass).
 
     Examples:
-        batcher = Batcher(batch_size=2, drop_last=False, shuffle=True, sampler=None,
-                          chunk_size=100, seed=7)
         for instance in stream:
             for group in batcher.feed(instance):
                 yield group.items
@@ -86,7 +51,6 @@ class Batcher:
             raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
         self._batch_size = batch_size
         self._drop_last = drop_last
-        self._shuffle = shuffle
         self._sampler = sampler
         self._seed = current_rng().getrandbits(64) if seed is None else seed
         if chunk_size is None or sampler is not None:
@@ -94,7 +58,7 @@ class Batcher:
         else:
             assert batch_size is not None
             self._capacity = max(chunk_size // batch_size, 1) * batch_size
-        self._stream = sampler is None and not shuffle  # batches go out as they fill
+        self.streams = sampler is None and not shuffle  # batches go out as they fill
         self._first_block = first_block
         self.block = first_block  # the block the next instance goes into
         self.filled = 0  # instances in that block so far
@@ -105,7 +69,7 @@ class Batcher:
     def feed(self, instance: Any) -> list[Group]:
         """Take one instance; return the batches it completes (often none)."""
         self.filled += 1
-        if self._stream:
+        if self.streams:
             self._batch.append(instance)
             out = [self._streamed()] if len(self._batch) == self._batch_size else []
         else:
@@ -115,17 +79,12 @@ class Batcher:
             self._next_block()
         return out
 
-    @property
-    def streams(self) -> bool:
-        """Batches go out as they fill (no shuffle, no sampler)."""
-        return self._stream
-
     def fail(self) -> Group:
         """The batch being filled failed (the source raised while it was due): its
         instances are dropped and the failure is that batch, as torch's IterableDataset
         fetcher drops what it had of a batch that raised. It takes the rest of the batch's
         room, so that a block stays whole batches. Streaming only."""
-        assert self._stream and self._batch_size is not None, "a block is cut whole"
+        assert self.streams and self._batch_size is not None, "a block is cut whole"
         self.filled += self._batch_size - len(self._batch)
         self._batch = []
         failed = self._streamed()
@@ -135,7 +94,7 @@ class Batcher:
 
     def finish(self) -> list[Group]:
         """The remaining batches of this pass; resets for the next one."""
-        if self._stream:
+        if self.streams:
             out = [self._streamed()] if self._batch and not self._drop_last else []
         else:
             out = self._close_block(last=True) if self._pending else []
@@ -155,14 +114,8 @@ class Batcher:
 
     def _close_block(self, last: bool = False) -> list[Group]:
         chunk, self._pending = self._pending, []
-        rng = random.Random(derive_seed(self._seed, self.block))
-        if self._sampler is not None:
-            # The sampler draws from current_rng(): make that this block's generator.
-            with use_rng(rng):
-                plan = [list(b) for b in self._sampler.get_batch_indices(chunk)]
-        else:
-            plan = plan_indices(len(chunk), batch_size=self._batch_size,
-                                drop_last=self._drop_last and last, shuffle=True,
-                                sampler=None, rng=rng)
+        plan = index_batches(chunk, self._batch_size, drop_last=self._drop_last and last,
+                             shuffle=self._sampler is None, sampler=self._sampler,
+                             rng=random.Random(derive_seed(self._seed, self.block)))
         return [Group(self.block, k, [chunk[i] for i in b], len(chunk))
                 for k, b in enumerate(plan)]

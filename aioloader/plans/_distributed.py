@@ -38,23 +38,14 @@ def topology(even_batches: bool) -> Topology:
     return Topology(rank, world, group)
 
 
-def all_reduce(topo: Topology, value: int, op: str) -> int:
-    """``value`` reduced over the ranks with ``op`` ("min" or "max"); blocking."""
+def maxima(topo: Topology, values: Sequence[int]) -> list[int]:
+    """Each value's maximum over the ranks (one collective for all; a flag's: whether it is
+    set on any rank); blocking."""
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX,
-                    group=topo.group)
-    return int(t.item())
-
-
-def any_of(topo: Topology, flags: Sequence[bool]) -> list[bool]:
-    """For each flag, whether it is set on any rank (one collective for all); blocking."""
-    import torch.distributed as dist
-
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topo.group)
-    return [bool(v) for v in t.tolist()]
+    return [int(v) for v in t.tolist()]
 
 
 def share_size(n: int, rank: int, world: int, *, even: bool, drop_last: bool) -> int:
@@ -87,9 +78,4 @@ def even_out(batches: Sequence[list[int]], target: int) -> Sequence[list[int]]:
     """``batches`` repeated from the start until there are ``target`` of them."""
     if not batches or len(batches) >= target:
         return batches
-    out = list(batches)
-    k = 0
-    while len(out) < target:
-        out.append(batches[k % len(batches)])
-        k += 1
-    return out
+    return [*batches, *(batches[k % len(batches)] for k in range(target - len(batches)))]

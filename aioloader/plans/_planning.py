@@ -1,12 +1,8 @@
 """Epoch plans: which indices form each batch of an epoch on this rank; pure, no I/O.
 
-A plan used to be made inside the loader: a Python-list shuffle on the event loop (~1 s for
-2M indices), a torch.distributed collective inside `plan()` (so `len()` ran one too), and a
-user's already-sharded sampler dealt out across ranks a second time (issue 9). Here a plan is
-a function of (spec, data size or instances, epoch): no loop, no I/O, no collective, safe to
-run with `asyncio.to_thread`, and the same on every run and every rank. What ranks must agree
-on (the batch count of cached readers under `even_batches`) the caller agrees on once and
-passes in as `target_batches`.
+No loop, no collective (issue 9: `len()` ran one), safe in a thread: what ranks must agree on
+(a cached reader's batch count under `even_batches`) the caller agrees on once and passes in
+as `target_batches`.
 """
 
 from __future__ import annotations
@@ -23,26 +19,14 @@ import torch
 
 from ._distributed import even_out, shard_order, share_size
 from ._samplers import (
+    Batches,
     BatchSampler,
     check_options,
     derive_seed,
+    index_batches,
     num_batches,
-    split_batches,
     torch_generator,
-    use_rng,
 )
-
-__all__ = [
-    "PlanSpec",
-    "Sharding",
-    "count_batches",
-    "deal",
-    "global_order",
-    "plan_epoch",
-    "seed_for",
-    "sharding",
-    "worker_seed",
-]
 
 # Two threads must not iterate one user sampler at once.
 _SAMPLER_LOCK = threading.Lock()
@@ -103,19 +87,10 @@ def plan_epoch(
 
     `shared`: `data` is the same on every rank (a map-style dataset); False: it is this
     rank's own cached instances. Only `len(data)` is used, unless an `aioloader.BatchSampler`
-    needs the instances. The policy (`sharding`):
-
-    - SPLIT: the loader's own sampling. One order of range(n) (torch.randperm seeded from
-      (seed, epoch) when shuffling, else range order) is dealt like DistributedSampler: with
-      `even_batches` every rank gets ceil(n/world) samples by wrapping (floor with
-      drop_last). An `aioloader.BatchSampler` batches this rank's share (r, r+world, ...).
-    - LOCAL: the data is planned whole, never split again.
-    - AS_IS: a user's sampler, never split again and iterated as it stands: as with
-      torch's DataLoader, calling its `set_epoch` (a DistributedSampler's) is the user's
-      job, so the plan is made when the epoch starts, never ahead.
-
-    `target_batches`: pad with batches repeated from the start up to this count (the count
-    ranks agreed on for `even_batches` over cached readers); never truncates.
+    needs the instances. SPLIT deals the `global_order` like DistributedSampler (`deal`);
+    AS_IS iterates the user's sampler when the epoch starts (its `set_epoch` is the user's
+    job, as in torch). `target_batches`: pad with batches repeated from the start up to this
+    count (what ranks agreed on); never truncates.
 
     Examples:
         plan_epoch(PlanSpec(batch_size=2, shuffle=True, seed=1), dataset, 3, shared=True)
@@ -123,29 +98,25 @@ def plan_epoch(
     policy = sharding(spec, shared=shared)
     batches: Sequence[list[int]]
     if policy is Sharding.AS_IS:
-        batches = _user_batches(spec.sampler, epoch)
+        batches = _user_batches(spec.sampler)
     elif policy is Sharding.SPLIT:
         batches = deal(spec, data, epoch, global_order(spec, len(data), epoch), whole=True)
     elif spec.sampler is not None:
         batches = _sampler_batches(spec, data, epoch, policy)
     else:
         assert spec.batch_size is not None  # PlanSpec checked
-        n = len(data)
-        if spec.shuffle:
-            order = torch.randperm(n, generator=torch_generator(_epoch_seed(spec, epoch, policy)))
-        else:
-            order = torch.arange(n)
-        batches = split_batches(order, spec.batch_size, spec.drop_last)
+        batches = Batches(global_order(spec, len(data), epoch, policy), spec.batch_size,
+                          spec.drop_last)
     return batches if target_batches is None else even_out(batches, target_batches)
 
 
-def global_order(spec: PlanSpec, n: int, epoch: int) -> torch.Tensor:
-    """SPLIT's one order of range(n) in epoch `epoch`, before it is dealt to the ranks: a
-    permutation seeded from (seed, epoch) when the loader shuffles, else range order (an
-    `aioloader.BatchSampler` shuffles each rank's share itself)."""
+def global_order(spec: PlanSpec, n: int, epoch: int,
+                 policy: Sharding = Sharding.SPLIT) -> torch.Tensor:
+    """The order of range(n) in epoch `epoch` before it is dealt to the ranks (SPLIT) or cut
+    into batches (LOCAL): a permutation seeded from the epoch when the loader shuffles, else
+    range order (an `aioloader.BatchSampler` shuffles each rank's share itself)."""
     if spec.sampler is None and spec.shuffle:
-        seed = _epoch_seed(spec, epoch, Sharding.SPLIT)
-        return torch.randperm(n, generator=torch_generator(seed))
+        return torch.randperm(n, generator=torch_generator(_epoch_seed(spec, epoch, policy)))
     return torch.arange(n)
 
 
@@ -154,11 +125,10 @@ def deal(spec: PlanSpec, data: Sequence[Any], epoch: int, order: torch.Tensor, *
     """Rank `spec.rank`'s SPLIT batches of epoch `epoch` over `order`: the epoch's
     `global_order` (`whole`), or what an interrupted epoch left of it (`_reshape`). It is
     dealt like DistributedSampler, then cut into batches (or batched by the BatchSampler)."""
-    share = shard_order(order, spec.rank, spec.world_size, even=spec.even_batches,
-                        drop_last=spec.drop_last)
+    share = _dealt(spec, order)
     if spec.sampler is None:
         assert spec.batch_size is not None  # PlanSpec checked
-        return split_batches(share, spec.batch_size, spec.drop_last)
+        return Batches(share, spec.batch_size, spec.drop_last)
     instances = data if whole and spec.world_size == 1 else _Share(data, share.tolist())
     return _sampler_batches(spec, instances, epoch, Sharding.SPLIT)
 
@@ -182,7 +152,9 @@ def count_batches(
             ) from None
     elif spec.sampler is not None:
         sampler: BatchSampler = spec.sampler
-        count = sampler.get_num_batches(_share(spec, data) if policy is Sharding.SPLIT else data)
+        if policy is Sharding.SPLIT and spec.world_size > 1:
+            data = _Share(data, _dealt(spec, torch.arange(len(data))).tolist())
+        count = sampler.get_num_batches(data)
     else:
         assert spec.batch_size is not None
         n = len(data)
@@ -193,11 +165,6 @@ def count_batches(
     if target_batches is not None and count:
         count = max(count, target_batches)  # even_out pads a non-empty plan only
     return count
-
-
-def seed_for(spec: PlanSpec, epoch: int) -> int:
-    """The seed of an in-process pass (num_workers=0); `_Planner.seed_for`'s formula."""
-    return derive_seed(spec.seed, epoch, spec.rank, 0)
 
 
 def worker_seed(spec: PlanSpec, epoch: int, worker: int) -> int:
@@ -219,19 +186,16 @@ def _sampler_batches(
 ) -> list[list[int]]:
     """A BatchSampler's batches of `instances` (a rank's `_Share`, or the data whole), as
     indices into the data."""
-    sampler: BatchSampler = spec.sampler
-    # The BatchSampler protocol draws from a `random.Random`, through current_rng().
-    with use_rng(random.Random(_epoch_seed(spec, epoch, policy))):
-        local = [list(b) for b in sampler.get_batch_indices(instances)]
+    local = index_batches(instances, None, drop_last=False, shuffle=False, sampler=spec.sampler,
+                          rng=random.Random(_epoch_seed(spec, epoch, policy)))
     if isinstance(instances, _Share):
         return [[instances.indices[i] for i in b] for b in local]
     return local
 
 
-def _user_batches(sampler: Any, epoch: int) -> list[list[int]]:
-    # The user's sampler is iterated as it stands: like torch's DataLoader, the loader never
-    # calls its set_epoch (a script that resumes calls sampler.set_epoch(5) itself, and the
-    # loader's own pass count must not undo it). The plan is made when its epoch starts.
+def _user_batches(sampler: Any) -> list[list[int]]:
+    # Like torch's DataLoader, the loader never calls its set_epoch: a script that resumes
+    # calls sampler.set_epoch(5) itself, and the loader's own pass count must not undo it.
     with _SAMPLER_LOCK:
         batches: list[list[int]] = []
         for batch in sampler:
@@ -257,13 +221,10 @@ def _index(i: Any) -> Any:
         return i
 
 
-def _share(spec: PlanSpec, data: Sequence[Any]) -> Sequence[Any]:
-    """This rank's SPLIT share of `data` (`data` itself on a single rank)."""
-    if spec.world_size == 1:
-        return data
-    indices = shard_order(torch.arange(len(data)), spec.rank, spec.world_size,
-                          even=spec.even_batches, drop_last=spec.drop_last)
-    return _Share(data, indices.tolist())
+def _dealt(spec: PlanSpec, order: torch.Tensor) -> torch.Tensor:
+    """This rank's SPLIT share of `order`."""
+    return shard_order(order, spec.rank, spec.world_size, even=spec.even_batches,
+                       drop_last=spec.drop_last)
 
 
 class _Share(Sequence[Any]):

@@ -1,12 +1,9 @@
 """Where a pass over a streaming source stands: block starts and shard positions, as data.
 
-A shard's pass is cut into blocks (see ``_batcher.Batcher``); a block's batches depend only
-on its instances and its number. So a shard's position is the start of a block (how many
-raw instances came before it, and the source's own ``state_dict()`` there) plus how many of
-the block's batches were delivered. Resuming reopens the source at the block start (O(1)
-when the source has ``load_state_dict``, otherwise by skipping: ``_shard.Shard``) and drops
-the delivered batches before they are collated (issue 10). A pass resumed on another shape
-carries a :class:`Frontier`: what the earlier shapes delivered (issue 21).
+A block's batches depend only on its instances and its number (``_batcher.Batcher``), so a
+shard's position is a block start plus the batches of the block delivered (issue 10); a
+pass resumed on another shape carries a :class:`Frontier` (issue 21). See
+docs/architecture.md, "Resume: positions, not buffers".
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from .._errors import ResumeError
-from ._batcher import plan_indices
-from ._samplers import derive_seed
+from ._samplers import derive_seed, index_batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +27,8 @@ class BlockStart:
     raw: int
     state: Any = None
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[Any]:  # (read back as BlockStart(*data))
         return [self.block, self.raw, self.state]
-
-    @classmethod
-    def from_wire(cls, data: list[Any]) -> BlockStart:
-        return cls(*data)
 
 
 PASS_START = BlockStart(0, 0, None)
@@ -46,17 +38,12 @@ PASS_START = BlockStart(0, 0, None)
 class ShardPosition:
     """A shard stands in pass ``pass_no``, ``batches`` batches into the block at ``start``.
 
-    ``size``: that block's instances, when it was planned whole (shuffled; None: streamed,
-    or not known yet). ``frontier``: the pass was resumed on another shape; what the earlier
-    shapes delivered is skipped (the pass's every shard has the same).
-
-    ``gap``: a key of the block was skipped on error, so its batches are not a replay of its
-    first instances (a new shape refuses it).
-
-    ``keys``: loads finish out of order (``ordered=False``), so blocks say nothing; the
-    position is then the keys delivered, counted from ``start`` in this shard's stream:
-    ``(low, *done)``, every key before ``low`` and those ``done`` after it (at most what was
-    in flight). None: a position in blocks.
+    ``size``: that block's instances, when it was planned whole (None: streamed, or not
+    known yet). ``frontier``: what earlier shapes of the pass delivered (the same for its
+    every shard). ``keys`` (``ordered=False``, where blocks say nothing): the keys
+    delivered, counted from ``start`` in this shard's stream, as ``(low, *done)``: every key
+    before ``low`` and those ``done`` after it. ``gap``: a key of the block was skipped on
+    error, so its batches are no replay of its first instances (a new shape refuses it).
     """
 
     pass_no: int
@@ -65,7 +52,7 @@ class ShardPosition:
     size: int | None = None
     frontier: Frontier | None = None
     keys: tuple[int, ...] | None = None
-    gap: bool = False  # a key of the block was skipped on error: it cannot be replayed
+    gap: bool = False
 
     def to_data(self) -> list[Any]:
         return [self.pass_no, *self.start.to_wire(), self.batches, self.size,
@@ -107,7 +94,7 @@ class ShardTracker:
                 self._low += 1
             self.position = replace(at, keys=(self._low, *sorted(self._done)))
             return
-        begin = BlockStart.from_wire(start) if start is not None else at.start
+        begin = BlockStart(*start) if start is not None else at.start
         if begin.block != block:
             raise AssertionError(f"batch {index} of block {block} arrived without the "
                                  f"block's start (position {self.position})")
@@ -126,11 +113,7 @@ class Batching(Protocol):
     @property
     def batch_size(self) -> int | None: ...
     @property
-    def drop_last(self) -> bool: ...
-    @property
     def shuffle(self) -> bool: ...
-    @property
-    def chunk_size(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,13 +144,9 @@ class Level:
 
 @dataclass(frozen=True, slots=True)
 class Frontier:
-    """What a pass delivered under earlier shapes (another num_workers or world size): a
-    stream resumed on a new shape skips it, so every instance is seen once (issue 21).
-
-    Nothing is stored per instance: a shard's past is everything before its block start,
-    plus the first batches of that block, which are replayed from the block's seed and
-    size (a block's batches are a function of its instances, its number and its seed).
-    """
+    """What a pass delivered under earlier shapes (another num_workers or world size), which
+    a stream resumed on a new shape skips: per shard, everything before its block start and
+    the block's first batches, replayed from its seed and size (nothing per instance)."""
 
     levels: tuple[Level, ...]
 
@@ -179,15 +158,11 @@ class Frontier:
         return cls(tuple(Level.from_data(level) for level in data))
 
     def extended(self, level: Level, options: Batching) -> Frontier:
-        """This frontier with ``level`` (the shards of the shape that just stopped, which
-        read past this frontier) on top.
+        """This frontier with ``level`` (the shape that just stopped) on top.
 
         With ``ordered=False`` a shard's keys were numbered in its stream past this
-        frontier, which leaves out what earlier shapes delivered; they are renumbered here
-        in the shard's raw stride (the n-th key from the shard's first raw position), as a
-        first shape numbers them, so that no level depends on the ones under it and a pass
-        resumes on a new shape as often as it is taken. The numbers kept are those of the
-        position (a low mark and the keys delivered past it): what was in flight."""
+        frontier; they are renumbered in the shard's raw stride, as a first shape numbers
+        them, so that no level depends on the ones under it and levels stack."""
         if not self.levels or all(p is None or p.keys is None for p in level.positions):
             return Frontier((*self.levels, level))
         earlier = self.delivered(options)
@@ -300,11 +275,9 @@ def _replayed(options: Batching, level: Level, k: int, p: ShardPosition,
             raw += count
     if not shuffled:
         return raws[: p.batches * options.batch_size]
-    capacity = max((options.chunk_size or need) // options.batch_size, 1) * options.batch_size
-    plan = plan_indices(len(raws), batch_size=options.batch_size,
-                        drop_last=options.drop_last and len(raws) < capacity, shuffle=True,
-                        sampler=None, rng=random.Random(derive_seed(level.seeds[k],
-                                                                    p.start.block)))
+    # (drop_last, which a last short block had, cuts no batch before the ones delivered)
+    plan = index_batches(len(raws), options.batch_size, drop_last=False, shuffle=True,
+                         rng=random.Random(derive_seed(level.seeds[k], p.start.block)))
     return [raws[i] for batch in plan[: p.batches] for i in batch]
 
 

@@ -1,35 +1,22 @@
-"""Resuming on another number of ranks: what an interrupted pass left, as a pure function.
+"""Resuming index batches on another number of ranks: what an interrupted pass left.
 
-Every rank's plan of a pass is a pure function of (seed, pass, rank, world size), so the
-samples a rank delivered follow from how many batches of the pass it delivered: the ranks'
-states, put together, are a :class:`Progress`. A pass resumed on another world size is the
-pass's order without the samples delivered, dealt to the new ranks by the same rules.
-
-Two kinds of data are planned that way:
-
-- **SPLIT** (a map-style dataset with the loader's own sampling): one global order, dealt
-  like DistributedSampler. What is left is the global order without the samples delivered,
-  in the same order; each new rank takes its share of it.
-- **LOCAL** (a cached reader that the loader shards by rank): each rank holds its shards of
-  the reader's instances (its cache, see :func:`held`). What is left of a new rank's cache
-  is its instances that no old rank delivered; they are planned as a cache of that length.
-
-A pass resumed twice on other shapes carries a :class:`Progress` per change (its history),
-so a state taken inside a resumed pass resumes it again. Plans are made in a thread (never on
-the loop); a mask over the data is one byte a sample.
+A rank's plan is a pure function of (seed, pass, rank, world size), so the ranks' batch
+counts (a :class:`Progress`, one per change of shape: the history) say which samples were
+delivered (docs/architecture.md, "Resuming on another shape"). Plans are made in a thread;
+a mask over the data is one byte a sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, overload
+from typing import Any
 
 import torch
 
 from .._errors import ResumeError
 from ._planning import PlanSpec, count_batches, deal, global_order, plan_epoch
-from ._samplers import Batches
+from ._samplers import Batches, LazyPlan
 
 
 @dataclass(frozen=True)
@@ -151,7 +138,7 @@ def _left(delivered: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
 
 
 def _target(spec: PlanSpec, world: int, left: list[torch.Tensor]) -> int | None:
-    """The batch count ranks agree on under ``even_batches`` (what ``all_reduce`` agrees on
+    """The batch count ranks agree on under ``even_batches`` (what ``maxima`` agrees on
     in a pass that was not resumed): computed here, since every rank's share is known."""
     if world == 1 or not spec.even_batches:
         return None
@@ -173,7 +160,7 @@ def _mark(delivered: torch.Tensor, plan: Sequence[list[int]], taken: int, epoch:
         delivered[batch] = True
 
 
-class _InCache(Sequence[list[int]]):
+class _InCache(LazyPlan):
     """A plan over what is left of a cache, as indices into the cache itself."""
 
     def __init__(self, plan: Sequence[list[int]], where: torch.Tensor) -> None:
@@ -182,12 +169,6 @@ class _InCache(Sequence[list[int]]):
     def __len__(self) -> int:
         return len(self.plan)
 
-    @overload
-    def __getitem__(self, i: int) -> list[int]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[list[int]]: ...
-    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
+    def batch(self, i: int) -> list[int]:
         batch: list[int] = self.where[self.plan[i]].tolist()
         return batch

@@ -8,25 +8,9 @@ import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, TypeVar, overload
+from typing import Any, overload
 
-import numpy as np
 import torch
-
-__all__ = [
-    "BatchSampler",
-    "BucketBatchSampler",
-    "check_options",
-    "current_rng",
-    "derive_seed",
-    "index_batches",
-    "num_batches",
-    "split_batches",
-    "torch_generator",
-    "use_rng",
-]
-
-T = TypeVar("T")
 
 # ------------------------------------------------------------------------------- randomness
 
@@ -88,14 +72,41 @@ def torch_generator(seed: int) -> torch.Generator:
     return generator
 
 
-class Batches(Sequence[list[int]]):
-    """A 1-D index tensor seen as batches of ``batch_size``: each batch becomes a list only
-    when it is asked for.
+class LazyPlan(Sequence[list[int]]):
+    """A plan whose batches become lists only when asked for (``batch(i)``, ``0 <= i <
+    len``); compares equal to the list of its batches."""
+
+    @overload
+    def __getitem__(self, i: int) -> list[int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[int]]: ...
+    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(i, slice):
+            return [self.batch(k) for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"batch {i} of {len(self)}")
+        return self.batch(i % len(self))
+
+    def batch(self, i: int) -> list[int]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyPlan):
+            other = list(other)
+        return isinstance(other, list) and list(self) == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+class Batches(LazyPlan):
+    """A 1-D index tensor seen as batches of ``batch_size``.
 
     An epoch of 2,000,000 indices as 62,500 Python lists costs ~100 ms to build and sets off
     a full garbage collection that holds the GIL for another ~250 ms (the event loop waits
-    for it, issue 9); as a tensor the plan is O(1) to hold and O(batch) per batch. Compares
-    equal to the list of its batches.
+    for it, issue 9); as a tensor the plan is O(1) to hold and O(batch) per batch.
     """
 
     _BLOCK = 1 << 14  # indices turned into Python ints at a time (one flat list, not lists)
@@ -115,17 +126,7 @@ class Batches(Sequence[list[int]]):
         """The indices of the first ``k`` batches, as one tensor."""
         return self._order[: k * self._batch_size]
 
-    @overload
-    def __getitem__(self, i: int) -> list[int]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[list[int]]: ...
-    def __getitem__(self, i: int | slice) -> list[int] | list[list[int]]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self._len))]
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"batch {i} of {self._len}")
+    def batch(self, i: int) -> list[int]:
         block, k = divmod(i, self._per_block)
         if block != self._block:  # batch by batch, tolist() would cost ~10 us each
             size = self._per_block * self._batch_size
@@ -134,42 +135,37 @@ class Batches(Sequence[list[int]]):
         start = k * self._batch_size
         return self._flat[start:start + self._batch_size]
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Batches):
-            other = list(other)
-        return isinstance(other, list) and list(self) == other
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(list(self))
-
-
-def split_batches(order: torch.Tensor, batch_size: int, drop_last: bool) -> Batches:
-    """A 1-D index tensor cut into batches of `batch_size`; drop_last drops a short last one."""
-    return Batches(order, batch_size, drop_last)
-
 
 def index_batches(
-    n: int,
-    batch_size: int,
+    instances_or_n: Sequence[Any] | int,
+    batch_size: int | None,
     *,
     drop_last: bool,
     shuffle: bool,
     rng: random.Random | torch.Generator,
+    sampler: BatchSampler | None = None,
 ) -> list[list[int]]:
-    """Indices 0..n-1, shuffled when asked, cut into batches; drop_last drops a short last one.
+    """The index batches of a cached list (or of a dataset's length), as `Batcher` cuts one
+    block: `sampler`'s, drawing from `rng` through `current_rng()`; else indices 0..n-1,
+    shuffled when asked, cut into batches (drop_last drops a short last one).
 
     The shuffle is `torch.randperm` (a Python-list shuffle of 2M indices takes ~1 s); a
     `random.Random` given as `rng` seeds the torch generator with 64 of its bits.
     """
-    _check_batch_size(batch_size)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    check_options(batch_size, drop_last, shuffle, sampler)
+    if sampler is not None:
+        if isinstance(instances_or_n, int):
+            raise TypeError("index_batches: a sampler needs the instances, not their number")
+        assert isinstance(rng, random.Random), "a BatchSampler draws from a random.Random"
+        with use_rng(rng):
+            return [list(b) for b in sampler.get_batch_indices(instances_or_n)]
+    assert batch_size is not None  # check_options
+    n = instances_or_n if isinstance(instances_or_n, int) else len(instances_or_n)
+    num_batches(n, batch_size, drop_last)  # a ValueError for n < 0 (torch.arange: RuntimeError)
     if not shuffle:
-        return list(split_batches(torch.arange(n), batch_size, drop_last))
+        return list(Batches(torch.arange(n), batch_size, drop_last))
     generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))
-    return list(split_batches(torch.randperm(n, generator=generator), batch_size, drop_last))
+    return list(Batches(torch.randperm(n, generator=generator), batch_size, drop_last))
 
 
 # ------------------------------------------------------------------------------- samplers
@@ -295,12 +291,8 @@ def _field(instance: Any, key: str, index: int) -> Any:
 
 
 def _length(value: Any) -> int | None:
-    if isinstance(value, torch.Tensor):
-        return value.size(0) if value.dim() else None
-    if isinstance(value, np.ndarray):
-        return value.shape[0] if value.ndim else None
     try:
-        return len(value)
+        return len(value)  # a tensor's or an array's first dimension; TypeError for a 0-d one
     except TypeError:
         return None
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._position import PASS_START, BlockStart
-from ._sources import Kind, aclose, is_async, is_stateful, open_pass, shard_spec, unhooked
+from ._sources import Kind, aclose, is_stateful, open_pass, shard_spec, unhooked
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +26,11 @@ class Raised:
 class Shard:
     """This process's shard of one pass over a streaming source, from a block start on.
 
-    The loader's sharding keeps raw positions ``index, index + count, ...``; the raw
-    position after the k-th instance taken is therefore arithmetic, and only the source's
-    own state needs asking for at a block start.
-
-    ``errors_go_on``: an exception of the source's (sync) iterator comes as a
-    :class:`Raised` item, and the same iterator is asked again: torch's IterableDataset
-    worker makes the error that batch's and goes on (issue 32); a generator that raised is
-    over, and so is the pass.
+    The loader's sharding keeps raw positions ``index, index + count, ...``, so positions
+    are arithmetic and only the source's own state is asked for, at block starts.
+    ``errors_go_on``: a (sync) iterator's exception comes as a :class:`Raised` item and the
+    iterator is asked again, as torch's IterableDataset worker does (issue 32; a generator
+    that raised is over, and so is the pass).
     """
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, worker: int,
@@ -54,8 +51,7 @@ class Shard:
                 raise ValueError(f"the state holds a position of {type(source).__name__}'s "
                                  "own, but it has no load_state_dict()")
             self._stateful.load_state_dict(start.state)
-            skip = 0
-        self.skipped = skip  # instances read again and dropped to get back to the start
+            skip = 0  # (else the instances before the start are read again and dropped)
         opened = open_pass(source, kind, data_path, worker, num_workers, rank, world_size)
         if errors_go_on and isinstance(opened, Iterator):  # (an IterableDataset's iter())
             opened = _going_on(opened)
@@ -63,7 +59,7 @@ class Shard:
         self._kept: Kept | None = None
         if delivered is not None:  # the pass was resumed on another shape: skip its past
             self._kept = Kept(self.first, self.count, delivered, track=numbered is None)
-            self.stream = self._kept.wrap(self.stream)
+            self.stream = _picked(self.stream, self._kept.pick)
         self.numbered = numbered is not None
         if numbered is not None:  # (number, key) pairs; the keys delivered are left out
             self.stream = _numbered(self.stream, numbered[0], frozenset(numbered[1:]))
@@ -98,11 +94,8 @@ class Kept:
         self._marked = 0
         self._last = -1
 
-    def wrap(self, stream: Iterable[Any] | AsyncIterable[Any]
-             ) -> Iterable[Any] | AsyncIterable[Any]:
-        return _picked(stream, self._pick)
-
-    def _pick(self, n: int, item: Any) -> Any:
+    def pick(self, n: int, item: Any) -> Any:
+        """The n-th item of the shard's stream, or ``DROP``: an earlier shape delivered it."""
         raw, self._next = self._next, self._next + self._count
         if self._delivered(raw):
             return DROP
@@ -116,7 +109,6 @@ class Kept:
             self._last = self._raws.popleft()
             self._marked += 1
         return self._last + 1
-
 
 
 DROP = object()  # what a pick returns for an item left out
@@ -140,9 +132,9 @@ def _picked(stream: Iterable[Any] | AsyncIterable[Any], pick: Callable[[int, Any
             ) -> Iterable[Any] | AsyncIterable[Any]:
     """What ``pick(n, item)`` makes of the n-th item of ``stream``, sync or async alike, but
     for the items it leaves out (``DROP``)."""
-    if is_async(stream):
-        return _apicked(stream, pick)  # type: ignore[arg-type]
-    picked = itertools.starmap(pick, enumerate(stream))  # type: ignore[arg-type]
+    if isinstance(stream, AsyncIterable):
+        return _apicked(stream, pick)
+    picked = itertools.starmap(pick, enumerate(stream))
     return (out for out in picked if out is not DROP)
 
 
@@ -175,8 +167,8 @@ def _from(stream: Iterable[Any] | AsyncIterable[Any], first: int,
     """Items ``first, first + step, ...`` of ``stream`` (the stream itself when (0, 1))."""
     if first == 0 and step == 1:
         return stream
-    if not is_async(stream):
-        return itertools.islice(stream, first, None, step)  # type: ignore[arg-type]
+    if not isinstance(stream, AsyncIterable):
+        return itertools.islice(stream, first, None, step)
     return _picked(stream, lambda n, item: item if n >= first and (n - first) % step == 0
                    else DROP)
 

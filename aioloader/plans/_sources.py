@@ -4,7 +4,6 @@ how their async iterators are started and closed."""
 from __future__ import annotations
 
 import enum
-import inspect
 import sys
 from collections.abc import (
     AsyncIterable,
@@ -90,10 +89,6 @@ def open_pass(source: Any, kind: Kind, data_path: Any, worker: int = 0, num_work
         "iterable nor async iterable: return (or yield) instances")
 
 
-def is_async(stream: Iterable[Any] | AsyncIterable[Any]) -> bool:
-    return isinstance(stream, AsyncIterable) or inspect.isasyncgen(stream)
-
-
 def is_stateful(source: Any) -> bool:
     """The source saves and restores its own position (torchdata's Stateful protocol)."""
     return callable(getattr(source, "state_dict", None)) and callable(
@@ -102,25 +97,18 @@ def is_stateful(source: Any) -> bool:
 
 def _shard_datapipe(source: IterDataPipe[Any], worker: int, num_workers: int, rank: int,
                     world_size: int) -> None:
-    """A datapipe's ``sharding_filter`` keeps this reader's share, as torch's DataLoader
-    sets it: ranks first, then workers (``worker * world_size + rank`` of
-    ``num_workers * world_size``, torch's ``_sharding_worker_init_fn``; ``rank`` of
-    ``world_size`` without workers). Without it every worker (every rank) read the whole
-    datapipe (torch's test_dataloader.py, test_shuffler_iterdatapipe). The sharding is a
-    setting of the object: each worker process has its own copy, and several thread workers,
-    which would share one, are refused a datapipe at construction."""
+    """A datapipe's ``sharding_filter`` keeps this reader's share as torch's DataLoader sets
+    it (``_sharding_worker_init_fn``): share ``worker * world_size + rank`` of ``num_workers
+    * world_size``; without it every worker and rank read it whole. The setting is the
+    object's: several thread workers, which would share it, are refused a datapipe."""
     workers = max(num_workers, 1)
     apply_sharding(source, workers * world_size, worker * world_size + rank)
 
 
 def shard_spec(source: Any, kind: Kind, worker: int, num_workers: int, rank: int,
                world_size: int) -> tuple[int, int]:
-    """(index, count): this process keeps instances index, index + count, ...
-
-    Readers are sharded by the loader unless they say they shard themselves. An
-    IterableDataset is never split (torch's rule): it shards itself, across workers with
-    ``torch.utils.data.get_worker_info()`` and across ranks as it sees fit, or is read whole.
-    """
+    """(index, count): this process keeps instances index, index + count, ... of a source
+    the loader shards (see ``splits_itself``)."""
     if kind is Kind.ITERABLE:
         return 0, 1
     manual_workers, manual_ranks = splits_itself(source, kind)

@@ -1,9 +1,7 @@
 """A loader's state dict: where its consumer stands, as JSON data; made, checked and read.
 
-The order of an epoch is a pure function of (seed, epoch, rank, world size) and, for
-streams, of each shard's position (``_position``). So the state is a handful of counters:
-the pass the next batch comes from, how many of its batches were handed over, and for a
-stream each shard's block start. It never holds data, a reader or a pickle (issue 10).
+A handful of counters and a stream's shard positions, never data, a reader or a pickle
+(issue 10; docs/architecture.md, "Resume: positions, not buffers").
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .._config import LoaderConfig
-from ..plans._distributed import any_of
+from ..plans._distributed import maxima
 from ..plans._position import StreamPosition
 from ..plans._state import Cursor
 from ..workers._steps import Delivered, PassDone, Step
@@ -54,7 +54,7 @@ class Even:
             await pad.prime()
         has = isinstance(step, Delivered)
         some, out, stuck = await asyncio.to_thread(
-            any_of, c.topo, [has, not has, pad is not None and pad.empty])
+            maxima, c.topo, [has, not has, pad is not None and pad.empty])
         if some and not (stuck or (drop and out)):
             if isinstance(step, Delivered):
                 return step, False

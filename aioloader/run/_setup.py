@@ -12,7 +12,7 @@ from typing import Any
 from .._config import LoaderConfig
 from .._errors import ResumeError
 from ..pipeline._loads import LoadOptions, SkipLog
-from ..plans._distributed import all_reduce
+from ..plans._distributed import maxima
 from ..plans._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
 from ..plans._position import (
     PASS_START,
@@ -215,7 +215,7 @@ class Setup:
 
         def agreed(pass_no: int) -> Sequence[list[int]]:  # in a thread, never from len()
             if not target:
-                target.append(all_reduce(topo, own, "max"))
+                target.append(maxima(topo, [own])[0])
             if own:  # the repeats of the plan's first batches (counted at the pass's end)
                 pads[pass_no] = target[0] - own
             return plan_epoch(spec, data, pass_no, shared=False, target_batches=target[0])
