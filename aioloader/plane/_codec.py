@@ -1,18 +1,15 @@
 """Batch codec: a batch's structure as msgpack data, its tensors as places in an arena slot.
 
-``encode`` walks what the collate returned, and is total: for any picklable batch, the tree
-it returns packs with msgpack. Tensors go into the slot (or are found already there, when
-the collate wrote straight into it) and become ``["T", offset, dtype, shape,
-requires_grad]``; so do bytes of :data:`BYTES_IN_SLOT` or more (raw JPEGs, a tar member),
-as ``["B", offset, length]``, read back as bytes. Containers keep their exact type:
-``"d"`` dict, ``"l"`` list, ``"t"`` tuple, ``"n"`` namedtuple, ``"m"`` other mapping
-rebuilt from its items, ``"o"`` a ``UserDict`` (such as transformers' ``BatchEncoding``)
-or a dataclass, rebuilt from its class and its pickle state, whose tensors travel through
-the slot like any other. Plain msgpack scalars stay bare; a str that is not valid UTF-8
-(surrogate escapes, as ``os.fsdecode`` makes of undecodable file names) is ``"s"``;
-anything else is pickled on its own (``"P"``), never the tree around it. ``decode``
-rebuilds it in the parent, each tensor either copied out or leased (a view of the slot
-that gives the slot back once garbage-collected).
+``encode`` is total: for any picklable batch, its tree packs with msgpack. Tensors go into
+the slot (or are found there, written by the collate) as ``["T", offset, dtype, shape,
+requires_grad]``; bytes of :data:`BYTES_IN_SLOT` or more as ``["B", offset, length]``.
+Containers keep their exact type: ``"d"`` dict, ``"l"`` list, ``"t"`` tuple, ``"n"``
+namedtuple, ``"m"`` other mapping rebuilt from its items, ``"o"`` a ``UserDict`` (such as
+transformers' ``BatchEncoding``) or a dataclass, rebuilt from its class and pickle state
+(its tensors travel through the slot too). Plain msgpack scalars stay bare; a str that is
+not valid UTF-8 (``os.fsdecode``'s surrogate escapes) is ``"s"``; anything else is pickled
+on its own (``"P"``), never the tree around it. ``decode`` rebuilds it in the parent, each
+tensor copied out or leased (``_arena.Lease``).
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ import collections
 import dataclasses
 import functools
 import pickle
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -263,11 +260,17 @@ def _rebuild(cls: Any, state: Any) -> Any:
     return obj
 
 
-TensorAt = Callable[[int, torch.dtype, list[int]], torch.Tensor]
+class TensorAt(Protocol):
+    """Where ``decode`` finds a slot's tensors (copied out or leased, ``_arena.Lease``) and
+    its bytes (read out in one copy: no tensor made, no view of the slot kept)."""
+
+    def __call__(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor: ...
+
+    def read(self, offset: int, n: int) -> bytes: ...
 
 
-class _Copied:
-    """Tensors copied out of an arena (and bytes read straight out of it, one copy)."""
+class Copied:
+    """Tensors copied out of ``arena``: the consumer owns them, the slot is free at once."""
 
     def __init__(self, arena: ArenaMap | None) -> None:
         self.arena = arena
@@ -279,23 +282,6 @@ class _Copied:
     def read(self, offset: int, n: int) -> bytes:
         assert self.arena is not None, "a batch with bytes in its slot arrived before its arena"
         return self.arena.read(offset, n)
-
-
-def copied_from(arena: ArenaMap | None) -> TensorAt:
-    """Tensors copied out of ``arena``: the consumer owns them, the slot is free at once."""
-    return _Copied(arena)
-
-
-def _bytes_at(tensor_at: TensorAt, offset: int, n: int) -> bytes:
-    """The ``n`` bytes a ``"B"`` leaf placed at ``offset``: read straight out of the arena
-    in one copy where ``tensor_at`` can (a copy's, a lease's: no tensor made, no view of the
-    slot kept), else copied out of a view."""
-    read = getattr(tensor_at, "read", None)
-    if read is not None:
-        data: bytes = read(offset, n)
-        return data
-    data = tensor_at(offset, torch.uint8, [n]).numpy().tobytes()
-    return data
 
 
 def decode(tree: Any, tensor_at: TensorAt) -> Any:
@@ -319,7 +305,7 @@ def decode(tree: Any, tensor_at: TensorAt) -> Any:
     if tag == "t":
         return tuple(decode(v, tensor_at) for v in tree[1])
     if tag == "B":
-        return _bytes_at(tensor_at, tree[1], tree[2])
+        return tensor_at.read(tree[1], tree[2])
     if tag == "s":
         return tree[1].decode("utf-8", "surrogatepass")
     if tag == "P":

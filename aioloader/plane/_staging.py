@@ -1,16 +1,9 @@
 """Moving batches to a CUDA device: a pinned staging ring, a side stream, events.
 
-For each batch bound for a CUDA device, :class:`Stager` copies its CPU tensors into one
-reusable page-locked buffer, issues the host-to-device copies on a side stream (so they
-overlap the consumer's work on the previous batch), records an event after them, makes the
-consumer's stream wait for that event, and marks each device tensor as used by the
-consumer's stream (``record_stream``). The CUDA calls go through a small :class:`Backend`,
-so that the ordering is tested on machines without a GPU (tests/test_staging.py).
-
-No batch is taken from the epoch ahead of the consumer: a batch taken early would count as
-handed over, and ``state_dict()`` would resume past it. The overlap comes from the CPU
-running ahead of the GPU instead: batch N's copy is queued while the GPU still works on
-step N-1.
+docs/architecture.md, "Moving batches to the GPU", says how and why (no batch is taken from
+the epoch ahead of the consumer: the overlap comes from the CPU running ahead of the GPU).
+The CUDA calls go through a small :class:`Backend`, so that the ordering is tested on
+machines without a GPU (tests/test_staging.py).
 """
 
 from __future__ import annotations
@@ -28,40 +21,23 @@ from ._device import map_tensors, tensors
 SLOTS = 2  # staging buffers: batch N fills one while batch N-1's copy may still read the other
 
 
-class Stream(Protocol):
-    def wait_event(self, event: Any) -> Any: ...
-
-
-class Event(Protocol):
-    def record(self, stream: Any) -> Any: ...
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> Any: ...
-
-
 class Backend(Protocol):
-    """What the stager needs from an accelerator; :class:`CudaBackend` is the real one."""
+    """What the stager needs from an accelerator; :class:`CudaBackend` is the real one.
+
+    Its streams have ``wait_event(event)``; its events ``record(stream)``, ``query()`` and
+    ``synchronize()``. ``pinned``: a page-locked uint8 buffer; ``copy``: ``src`` on the
+    device, allocated and copied on ``stream``, not waited for; ``keep_for``: ``tensor``'s
+    memory is not reused until ``stream``'s work on it is done.
+    """
 
     device: torch.device  # tensors already there pass through
 
     def side_stream(self) -> Any: ...
-
-    def current_stream(self) -> Stream: ...
-
-    def event(self) -> Event: ...
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        """A page-locked uint8 buffer of ``nbytes``."""
-        ...
-
-    def copy(self, src: torch.Tensor, stream: Any) -> torch.Tensor:
-        """``src`` on the device, allocated and copied on ``stream``, not waited for."""
-        ...
-
-    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory from reuse until ``stream``'s work on it is done."""
-        ...
+    def current_stream(self) -> Any: ...
+    def event(self) -> Any: ...
+    def pinned(self, nbytes: int) -> torch.Tensor: ...
+    def copy(self, src: torch.Tensor, stream: Any) -> torch.Tensor: ...
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None: ...
 
 
 class CudaBackend:
@@ -77,10 +53,10 @@ class CudaBackend:
     def side_stream(self) -> Any:
         return self._side
 
-    def current_stream(self) -> Stream:
+    def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device)
 
-    def event(self) -> Event:
+    def event(self) -> Any:
         return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def pinned(self, nbytes: int) -> torch.Tensor:
@@ -117,7 +93,7 @@ handing_to: contextvars.ContextVar[Any] = contextvars.ContextVar("aioloader_hand
                                                                 default=None)
 
 
-def consumer_stream(device: torch.device | None) -> Stream | None:
+def consumer_stream(device: torch.device | None) -> Any:
     """The calling thread's current stream on ``device`` if it is a CUDA one, else None."""
     if device is None or device.type != "cuda":
         return None
@@ -127,7 +103,7 @@ def consumer_stream(device: torch.device | None) -> Stream | None:
 @dataclasses.dataclass
 class _Slot:
     buffer: torch.Tensor | None = None
-    event: Event | None = None  # recorded after the last copy that read ``buffer``
+    event: Any = None  # recorded after the last copy that read ``buffer``
 
 
 _ALLOCATED = [0]  # staging buffers allocated by every stager of this process
