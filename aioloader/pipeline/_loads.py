@@ -1,19 +1,13 @@
-"""The load stage: cheap keys in, loaded instances out, many loads in flight (issue 11).
+"""The load stage: cheap keys in (URLs, file names, row ids), loaded instances out, up to
+``concurrency`` loads in flight per process (issue 11), in a worker as in the main process.
 
-A source yields keys (URLs, file names, row ids); a load function turns each key into an
-instance, usually by awaiting I/O. One process keeps up to ``concurrency`` loads in flight,
-so a worker overlaps hundreds of requests where torch's worker waits for one. The stage is
-the same code in a worker and in the main process (``num_workers=0``).
-
-Failures are data: a load that raises is retried when the error is transient (``Retry``),
-then either raises :class:`~aioloader.LoadError` naming the key and the worker, or, with
-``on_error="skip"``, is counted, logged and reported as a :class:`SkippedLoad`.
+A load that raises is retried when the error is transient (``Retry``), then raises
+:class:`~aioloader.LoadError`, or, with ``on_error="skip"``, becomes a :class:`SkippedLoad`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -187,10 +181,9 @@ def load_options(source: Any, kind: Kind, *, load_fn: Callable[[Any], Any] | Non
 
 
 def own_load(source: Any, kind: Kind) -> OwnLoad | None:
-    """Which load stage the source brings, if any: ``loading()``, an ``async def
-    load(key)``, or (a map-style dataset) an ``async def __getitem__``. A plain ``load``
-    method is not taken as one (a reader may have a ``load`` for something else): pass
-    ``load_fn=reader.load``."""
+    """Which load stage the source brings: ``loading()``, an ``async def load(key)``, or (a
+    map-style dataset) an ``async def __getitem__``. Not a plain ``load`` method (a reader's
+    may do something else): ``load_fn=reader.load`` says so."""
     if kind is Kind.MAP:
         coroutine = inspect.iscoroutinefunction(getattr(type(source), "__getitem__", None))
         return "getitem" if coroutine else None
@@ -318,11 +311,8 @@ class LoadStage:
             while True:
                 attempt += 1
                 try:
-                    if retry.timeout is None:
+                    async with asyncio.timeout(retry.timeout):  # None: no limit
                         instance = await self._call(key)
-                    else:
-                        async with asyncio.timeout(retry.timeout):
-                            instance = await self._call(key)
                 except Exception as exc:  # noqa: BLE001 - classified, retried or reported
                     if attempt <= retry.retries and retry.transient(exc):
                         await asyncio.sleep(retry.delay(attempt))
@@ -361,44 +351,34 @@ class LoadStage:
         as ``(tag, key)`` and each instance goes as ``(tag, instance)``, so that what was
         delivered can be told whatever the order the loads finished in."""
         in_order = self.options.ordered if ordered is None else ordered
-        window: collections.deque[asyncio.Task[Any]] = collections.deque()
-        pending: set[asyncio.Task[Any]] = set()
-        tags: dict[asyncio.Task[Any], Any] = {}
-        limit = self.options.concurrency
+        started: dict[asyncio.Task[Any], Any] = {}  # the loads in flight, in key order: tags
         more = True
         try:
             while True:
-                while more and len(window) + len(pending) < limit:
+                while more and len(started) < self.options.concurrency:
                     try:
                         key = await keys.__anext__()
                     except StopAsyncIteration:
                         more = False
                         break
-                    if tagged:
-                        tag, key = key
-                    task = self._start(key)
-                    if tagged:
-                        tags[task] = tag
-                    (window.append if in_order else pending.add)(task)
+                    tag, key = key if tagged else (None, key)
+                    started[self._start(key)] = tag
+                if not started:
+                    return
                 if in_order:
-                    if not window:
-                        return
-                    task = window[0]
-                    result = await task
-                    window.popleft()
-                    yield (tags.pop(task), result) if tagged else result
+                    head = next(iter(started))
+                    await head  # what the load raised, raised here
+                    done = {head}
                 else:
-                    if not pending:
-                        return
-                    done, pending = await asyncio.wait(
-                        pending, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        yield (tags.pop(task), task.result()) if tagged else task.result()
+                    done, _ = await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    tag = started.pop(task)
+                    yield (tag, task.result()) if tagged else task.result()
         finally:
-            for task in (*window, *pending):
+            for task in started:
                 task.cancel()
-            if window or pending:
-                await asyncio.gather(*window, *pending, return_exceptions=True)
+            if started:
+                await asyncio.gather(*started, return_exceptions=True)
             await aclose(keys)  # the source's own iterator: its finally runs now
 
     async def fetch(self, dataset: Any, indices: Sequence[int]) -> list[Any]:
@@ -434,13 +414,10 @@ def ops_on_this_thread() -> None:
     """A helper thread's torch ops (a load thread's; the in-process fetch thread's) run on
     that thread alone; every other thread keeps its count (issue 23).
 
-    ``torch.set_num_threads`` is not used: besides this thread's OpenMP count it stores the
-    count process-wide, where any thread that has run no parallel op yet (a new one, or the
-    main thread early in a script, running a collate meanwhile) picks it up, so a main thread
-    trained on one thread after an epoch with a load stage. OpenMP's own
-    ``omp_set_num_threads`` changes only the calling thread's count; torch's lazy set-up of
-    this thread runs first (``get_num_threads``), or it would reset the count at the first
-    op. Without OpenMP (torch's native pool: one count for the process) nothing changes.
+    Not ``torch.set_num_threads``: it also stores the count process-wide, for every thread
+    that has run no parallel op yet (a main thread then trained on one thread after an epoch
+    with a load stage). OpenMP's ``omp_set_num_threads`` is per thread, after torch's lazy
+    set-up of it (or that would reset it). Without OpenMP nothing changes.
     """
     setter = _omp_set_num_threads()
     if setter is None:

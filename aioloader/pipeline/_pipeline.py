@@ -6,14 +6,11 @@
  index batches ─► fetch() or LoadStage.fetch() (InOrder: overlapped, in order) ─► collate
 ```
 
-Everything here is a plain iterable (a sync source without a load stage: the whole chain runs
-wherever its consumer pulls it, a worker's loop or the in-process producer's thread) or an
-async iterable. A worker wraps what they yield with its wire (slots, arena, ``Retiring``,
-``Progress``); the in-process producers (``num_workers=0``) iterate them directly.
-
-Every async iterator the pipeline makes or takes is started without the loop's
+Each is a plain iterable (a sync source without a load stage: it runs wherever its consumer
+pulls it) or an async iterable, which a worker wraps with its wire and the in-process
+producers iterate directly. Every async iterator here is started without the loop's
 async-generator hooks (:func:`unhooked`) and closed by whoever iterates it: an in-process
-producer outlives the loop of one epoch, and a loop closes at its shutdown the generators
+producer outlives the loop of one epoch, which would close at its shutdown the generators
 first iterated on it.
 """
 
@@ -95,7 +92,6 @@ class ShardPass:
         self.starts: dict[int, BlockStart] = {begin.block: begin}
         self._skip_block = begin.block
         self._skip = start.batches if start is not None else 0
-        self.emitted = 0
         self._loose: list[int] = []  # numbered keys skipped on error, for the next mark
         self._gap = -1  # the last block with a key skipped on error (its batches skip it)
 
@@ -144,7 +140,6 @@ class ShardPass:
             elif block == self._gap:  # its instances are not the block's first keys in a row
                 mark += [None, True]
             out.append(Batch(items, mark, error))
-        self.emitted += len(out)
         return out
 
 
@@ -205,18 +200,16 @@ class Pipeline:
                      errors_go_on=batched and self.kind is Kind.ITERABLE and self.loads is None)
 
     def numbers_keys(self) -> bool:
-        """Whether a stream's keys are numbered, so that a position can say which were
-        delivered: loads finish out of order (``ordered=False``). A BatchSampler's blocks
-        would see the numbers: with one, no position is kept (``state_dict`` refuses)."""
+        """Whether a stream's keys are numbered, for positions, as loads finish out of order
+        (``ordered=False``); not under a BatchSampler (no position: ``state_dict`` refuses)."""
         return (self.loads is not None and not self.loads.ordered and self.options is not None
                 and self.options.sampler is None)
 
     def instances(self, shard: Shard, stage: LoadStage | None, offload: Offload | None = None,
                   *, ordered: bool | None = None) -> Iterable[Any] | Unhooked[Any]:
-        """The shard's instances: a plain iterable for a sync source without a load stage;
-        else an async iterator (with a load stage, its keys loaded: :class:`SkippedLoad`
-        markers for keys skipped on error, so that positions still count them). A sync
-        source's keys are listed in chunks through ``offload``, or in place (None)."""
+        """The shard's instances: a plain iterable for a sync source without a load stage,
+        else an async iterator (a load stage's has :class:`SkippedLoad` markers, which
+        positions count). A sync source's keys are listed through ``offload`` (None: in place)."""
         stream = shard.stream
         if isinstance(stream, AsyncIterable):
             keys: Unhooked[Any] = unhooked(stream)
@@ -245,9 +238,8 @@ class Pipeline:
     def chunks(self, start: BlockStart, stage: LoadStage | None, *,
                touch: Touch | None = None,
                offload: Offload | None = None) -> Iterator[list[Any]] | Unhooked[list[Any]]:
-        """One pass's instances (and skipped keys' markers), in lists of
-        :data:`INSTANCE_CHUNK`; in the keys' order (a cache's order must not depend on which
-        load finished first)."""
+        """One pass's instances (and skipped keys' markers), in lists of :data:`INSTANCE_CHUNK`,
+        in the keys' order (a cache's order must not depend on which load finished first)."""
         instances = self.instances(self.shard(start), stage, offload, ordered=True)
         if isinstance(instances, Unhooked):
             return unhooked(_async_chunks(instances, touch))
@@ -342,9 +334,8 @@ class InOrder(Generic[R, T]):
     """``start(request)`` for each request as it arrives, results handed on in the requests'
     order: the work of later requests overlaps the wait for the first.
 
-    ``ahead``: at most so many requests started and not yet handed on (None: every request
-    is started as it arrives; the requester bounds them). Not an async generator (see the
-    module docstring); :meth:`aclose` cancels what is in flight and waits for it.
+    ``ahead``: at most so many started and not yet handed on (None: the requester bounds
+    them). Not an async generator (module docstring); :meth:`aclose` cancels what is in flight.
     """
 
     def __init__(self, requests: AsyncIterable[R], start: Callable[[R], Awaitable[T]],

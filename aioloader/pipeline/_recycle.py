@@ -1,18 +1,11 @@
 """Reused memory for the large tensors that a ``num_workers=0`` loader collates (issue 23).
 
-A batch collated in this process is new memory each time, and new memory costs a page fault
-per 4 KiB page (~2 us each here). On the main thread glibc keeps a freed batch in its heap
-and hands it out again, so only the first batches fault; in the fetch thread it does not
-(that thread's arena gives a freed 9.6 MB batch back to the kernel: 2,352 faults, 4.4 ms of a
-5 ms fetch, against 0.4 ms on the main thread). So a proof in the thread cost ten loop
-fetches, and a fetch that went back there paid it every batch.
-
-A :class:`Recycler` keeps the buffers of batches the consumer has dropped and builds the next
-batches in them, as a worker builds its batches in its arena's slots. Each large tensor gets
-a buffer of its own, seen through a buffer-sized numpy array and a tensor of exactly its
-size: its storage is its own (saving one tensor of a batch saves just that one), and the
-array's death, when the last view of the tensor goes, hands the buffer back, from whatever
-thread drops it. Small tensors come from ``torch.empty``: malloc reuses those anyway.
+Fresh memory costs a page fault per 4 KiB page, and the fetch thread's glibc heap gave each
+freed 9.6 MB batch back to the kernel (2,352 faults, 4.4 ms of a 5 ms fetch). A
+:class:`Recycler` builds the next batches in the buffers of those the consumer dropped, as
+a worker builds them in its arena (docs/architecture.md, "Batches built in this process").
+Each large tensor gets a buffer of its own (saving one tensor saves just that one); the death
+of its numpy view hands the buffer back, from whatever thread drops it.
 """
 
 from __future__ import annotations
@@ -114,11 +107,9 @@ MEMORY = Recycler()
 def _comes_and_goes(nbytes: int) -> None:
     """Let malloc see a block of ``nbytes`` freed, as it would see each batch without us.
 
-    glibc adapts to what a process frees: freeing a block it had to map raises the size it
-    maps instead of heaping (up to 32 MB), and the heap it keeps with it (twice that). A
-    batch freed after each step taught it that batches come and go; memory that we keep
-    teaches it nothing, and the samples a batch is built from (64 image clones, 9.6 MB)
-    were then given back to the kernel after each batch and faulted in again: 2,175 faults,
-    4 ms of a 5 ms fetch. One block freed unused costs a map and an unmap, no fault.
+    glibc raises the size it maps (and the heap it keeps) when it sees large blocks freed;
+    kept buffers teach it nothing, and the 64 image clones a batch is built from were then
+    given back to the kernel after each batch (2,175 faults, 4 ms of a 5 ms fetch). One
+    block freed unused costs a map and an unmap, no fault.
     """
     torch.empty(nbytes, dtype=torch.uint8)

@@ -51,11 +51,8 @@ BYTES_IN_SLOT = 4096
 
 
 def tensors_nbytes(obj: Any, depth: int = 0) -> int:
-    """Arena bytes the tensors in ``obj`` need (for sizing a slot).
-
-    Never less than what ``encode`` places in the slot (a slot sized by it must hold the
-    batch); where ``encode`` pickles a container holding tensors, it may count more.
-    """
+    """Arena bytes the tensors in ``obj`` need (for sizing a slot): never less than what
+    ``encode`` places (more where it pickles a container holding tensors)."""
     cls = type(obj)
     if cls in _LEAVES:  # the common leaves first: this runs once a batch
         return 0
@@ -89,11 +86,8 @@ def _parts_nbytes(parts: Iterable[Any], depth: int) -> int:
 
 
 def encode(obj: Any, slot: SlotWriter) -> Any:
-    """The msgpack-ready tree of ``obj``; tensors are written into ``slot``.
-
-    Raises SlotFull (with the bytes the whole batch needs) when they do not fit, and
-    TypeError when part of the batch is neither encodable nor picklable.
-    """
+    """The msgpack-ready tree of ``obj``, its tensors written into ``slot``. Raises SlotFull
+    (with the bytes the whole batch needs), or TypeError for a part that cannot travel."""
     try:
         return _encode(obj, slot, 0)
     except SlotFull:
@@ -181,8 +175,7 @@ def _short(obj: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# The caches below hold classes, looked up once per batch: bounded, since a program may
-# make classes on the fly (a namedtuple per call).
+# Bounded caches: a program may make classes on the fly (a namedtuple per call).
 
 @functools.lru_cache(maxsize=256)
 def _class_bytes(cls: type) -> bytes | None:
@@ -208,12 +201,9 @@ def _rebuildable_mapping(cls: type) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _object_class(cls: type) -> bytes | None:
-    """The pickled class if its instances travel as ``"o"``, else None.
-
-    UserDicts and dataclasses whose class pickle would rebuild as ``cls.__new__(cls)`` plus
-    the instance's state; a class that says otherwise (``__reduce__``, ``__getnewargs__``,
-    its own ``__new__``) has its instances pickled whole.
-    """
+    """The pickled class if its instances travel as ``"o"``: UserDicts and dataclasses that
+    pickle would rebuild as ``cls.__new__(cls)`` plus state (not with their own
+    ``__reduce__``, ``__getnewargs__`` or ``__new__``: those are pickled whole)."""
     if not (issubclass(cls, collections.UserDict) or dataclasses.is_dataclass(cls)):
         return None
     if (cls.__reduce_ex__ is not object.__reduce_ex__ or cls.__reduce__ is not object.__reduce__
@@ -224,11 +214,8 @@ def _object_class(cls: type) -> bytes | None:
 
 
 def _rebuilt(obj: Any) -> tuple[bytes, Any] | None:
-    """(pickled class, state) when ``obj`` travels as ``"o"``, else None.
-
-    The state is what pickle would keep: ``__getstate__()``, the instance ``__dict__``
-    unless the class says otherwise (``BatchEncoding`` keeps its data and encodings).
-    """
+    """(pickled class, state) when ``obj`` travels as ``"o"``, else None; the state is
+    pickle's, ``__getstate__()`` (``BatchEncoding`` keeps its data and encodings)."""
     cls: type = type(obj)
     pickled_cls = _object_class(cls)
     if pickled_cls is None:

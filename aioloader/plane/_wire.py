@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import msgpack
 
@@ -149,9 +149,7 @@ class Skipped:
 
 Message = (Release | Task | Rewind | Batch | PassEnd | Failed | BatchFailed | Rewound | Arena
            | Progress | Retiring | Skipped)
-_TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (
-    Release, Task, Rewind, Batch, PassEnd, Failed, BatchFailed, Rewound, Arena, Progress,
-    Retiring, Skipped)}
+_TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in get_args(Message)}
 
 
 def encode(msg: Message) -> bytes:
