@@ -106,22 +106,6 @@ def _unsupported(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> A
                     + f" (sample 0 {_where(path)}: {reprlib.repr(elem)})")
 
 
-def _keep(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return batch
-
-
-def _collate_floats(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return _numbers_tensor(batch, torch.float64)
-
-
-def _collate_ints(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return _numbers_tensor(batch)
-
-
-def _collate_numpy_scalars(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return torch.as_tensor(batch)
-
-
 def _collate_arrays(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
     elem = batch[0]
     if _NP_STR_OBJ.search(elem.dtype.str) is not None:
@@ -147,7 +131,6 @@ def _collate_tensors(batch: Sequence[Any], path: _Path, pad: PadCollate | None) 
         return stack(batch)
     except RuntimeError as e:
         raise RuntimeError(f"{e} (the tensors {_where(path)})") from e
-
 
 
 def _collate_mappings(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
@@ -224,10 +207,11 @@ def _collate_sequences(batch: Sequence[Any], path: _Path, pad: PadCollate | None
 _ORDER: tuple[tuple[type | tuple[type, ...], _Handler], ...] = (
     (torch.Tensor, _collate_tensors),
     (np.ndarray, _collate_arrays),
-    ((np.bool_, np.number, np.object_), _collate_numpy_scalars),
-    (float, _collate_floats),
-    (int, _collate_ints),  # bools too, as in torch: torch.tensor infers torch.bool for them
-    ((str, bytes), _keep),
+    ((np.bool_, np.number, np.object_), lambda batch, path, pad: torch.as_tensor(batch)),
+    (float, lambda batch, path, pad: _numbers_tensor(batch, torch.float64)),
+    # bools too, as in torch: torch.tensor infers torch.bool for them
+    (int, lambda batch, path, pad: _numbers_tensor(batch)),
+    ((str, bytes), lambda batch, path, pad: batch),
     (cabc.Mapping, _collate_mappings),
 )
 # The common types, looked up at once.

@@ -15,6 +15,7 @@ import ctypes
 import errno
 import functools
 import inspect
+import itertools
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -242,10 +243,8 @@ class LoadStage:
         own = self.options.own  # decided once, by load_options()
         if own == "loading":
             fn = await self._stack.enter_async_context(self.source.loading())
-        elif own == "getitem":
-            fn = self.source.__getitem__
-        elif own == "load":
-            fn = self.source.load
+        elif own is not None:
+            fn = getattr(self.source, "__getitem__" if own == "getitem" else "load")
         assert fn is not None
         self._call = self._wrap(fn)
         return self
@@ -260,9 +259,7 @@ class LoadStage:
             try:
                 await self._stack.aclose()
             finally:
-                pool, self._pool = self._pool, None
-                if pool is not None:  # a call still running in a thread ends on its own
-                    pool.shutdown(wait=False, cancel_futures=True)
+                self.abandon()  # the threads: a call still running in one ends on its own
 
     def _wrap(self, fn: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
@@ -306,10 +303,8 @@ class LoadStage:
         """
         assert self._call is not None, "enter the stage first"
         retry = self.options.retry
-        attempt = 0
         async with self._gate:
-            while True:
-                attempt += 1
+            for attempt in itertools.count(1):
                 try:
                     async with asyncio.timeout(retry.timeout):  # None: no limit
                         instance = await self._call(key)

@@ -53,8 +53,7 @@ class BatchOptions:
 @dataclass(frozen=True, slots=True)
 class Batch:
     """A batch's instances, due to be collated, and where it lies in its pass; ``error``:
-    the source raised while it was filled, and that error is the batch (its instances are
-    dropped)."""
+    what the source raised while it was filled, which is then the batch."""
 
     items: list[Any]
     mark: Mark
@@ -74,10 +73,9 @@ Step = Batch | Boundary
 class ShardPass:
     """One pass over one shard: instances in, batches out, each with its :data:`Mark`.
 
-    The batcher cuts the pass into blocks; the start of each block (from ``shard.mark``) goes
-    with the block's first batch, so that the consumer always knows a position to resume
-    from. Resuming at ``start``, the batches of its block that were delivered already are
-    dropped here, before anything is collated.
+    Each block's start (``shard.mark``) goes with its first batch, so that the consumer
+    always knows where to resume; resuming, the batches delivered already are dropped here,
+    before anything is collated.
     """
 
     def __init__(self, shard: Shard, options: BatchOptions, seed: int,
@@ -179,17 +177,15 @@ class Pipeline:
         return LoadStage(self.source, self.loads, worker=worker, report=report)
 
     def fetch(self, indices: list[int], touch: Touch | None = None) -> list[Any]:
-        """A map-style batch's instances (without a load stage; with one,
-        ``LoadStage.fetch``)."""
+        """A map-style batch's instances (with a load stage: ``LoadStage.fetch``)."""
         return fetch(self.source, indices, touch,
                      bulk=not isinstance(self.collate_fn, Unbatched))
 
     def shard(self, start: BlockStart = PASS_START, frontier: Frontier | None = None,
               numbered: tuple[int, ...] | None = None, *, batched: bool = False) -> Shard:
-        """This pass's shard from ``start``; ``numbered``: its keys go as ``(number, key)``,
-        those delivered (``ShardPosition.keys``) left out. ``batched``: cut into batches
-        here, where a torch IterableDataset's error is one batch's and its iterator goes
-        on (torch's worker loop; a cache's instances have no batch to fail)."""
+        """This pass's shard from ``start``; ``numbered``: keys go as ``(number, key)``, those
+        delivered left out. ``batched``: a torch IterableDataset's error is then one batch's
+        and its iterator goes on (torch's worker loop; a cache's instances have no batch)."""
         skip = None
         if frontier is not None:
             assert self.options is not None, "only a stream of batches is resumed on a new shape"
@@ -380,22 +376,17 @@ class InOrder(Generic[R, T]):
         finally:
             self._more.set()
 
-    def _in_flight(self) -> list[asyncio.Future[Any]]:
+    def abandon(self) -> list[asyncio.Future[Any]]:
+        """Cancel what is in flight (a synchronous close: no loop to wait on); what was."""
         flight: list[asyncio.Future[Any]] = [f for _, f in self._started]
         if self._intake is not None:
             flight.append(self._intake)
         self._started.clear()
         self._intake = None
-        return flight
-
-    def abandon(self) -> None:
-        """No loop to wait on (a synchronous close): cancel what is in flight."""
-        for f in self._in_flight():
-            f.cancel()
-
-    async def aclose(self) -> None:
-        flight = self._in_flight()
         for f in flight:
             f.cancel()
-        await asyncio.gather(*flight, return_exceptions=True)
+        return flight
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*self.abandon(), return_exceptions=True)
         await aclose(self._requests)

@@ -28,8 +28,7 @@ PAGE = 64 << 10  # new buffers are rounded up to this: a tensor kept pins at mos
 class Recycler:
     """An allocator (``aioloader.pipeline._stacking.Allocator``) over reused buffers."""
 
-    def __init__(self, keep: int = KEEP, keep_bytes: int = KEEP_BYTES) -> None:
-        self.keep = keep
+    def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep_bytes = keep_bytes
         self._reset()
         # A forked child starts afresh: the parent's lock may have been held at the fork (by
@@ -84,7 +83,7 @@ class Recycler:
             free = self._free
             free.append(buffer)
             self._held += buffer.nbytes
-            while len(free) > self.keep or self._held > self.keep_bytes:
+            while len(free) > KEEP or self._held > self.keep_bytes:
                 self._held -= free.pop(0).nbytes  # the oldest: sizes drift with the data
 
     def held(self) -> int:

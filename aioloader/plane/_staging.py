@@ -74,9 +74,7 @@ class CudaBackend:
         tensor.record_stream(stream)
 
 
-@functools.cache
-def _cuda_backend(device: torch.device) -> CudaBackend:
-    return CudaBackend(device)
+_cuda_backend = functools.cache(CudaBackend)
 
 
 def backend_for(device: torch.device) -> Backend:
@@ -127,12 +125,9 @@ class Stager:
         self.allocations = 0  # of staging buffers by this stager: growth only
 
     def stage(self, batch: Any) -> Any:
-        """``batch`` on the device, ready for the consumer's current stream.
-
-        Synchronous on purpose: the only wait is for a staging buffer's last copy, and the
-        side stream holds nothing but copies, so that wait is bounded by copy time, never
-        by the consumer's compute.
-        """
+        """``batch`` on the device, ready for the consumer's current stream. Synchronous on
+        purpose: the only wait, for a staging buffer's last copy, is bounded by copy time
+        (the side stream holds nothing else), never by the consumer's compute."""
         backend = self._backend
         staged = [t for t in tensors(batch) if t.device != self.device and _stages(t)]
         offsets, need = _layout(staged)
