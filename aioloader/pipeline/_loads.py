@@ -136,12 +136,8 @@ class SkippedLoad:
 @dataclass(frozen=True)
 class LoadOptions:
     """The loader's load-stage options, as data (pickled into each worker's spec).
-
-    ``load_fn``: the user's load function; None: the source's own, ``own`` says which
-    (``loading()``, an async ``load(key)``, or a coroutine ``__getitem__``). ``keyed``: a
-    map-style dataset's items are keys for ``load_fn`` (else its indices are the keys of its
-    async ``__getitem__``).
-    """
+    ``load_fn`` None: the source's own, ``own`` says which. ``keyed``: a map-style dataset's
+    items are keys for ``load_fn`` (else its indices are its async ``__getitem__``'s keys)."""
 
     load_fn: Callable[[Any], Any] | None
     concurrency: int
@@ -204,10 +200,8 @@ SKIP_REPORT: contextvars.ContextVar[Report | None] = contextvars.ContextVar(
 
 
 async def report_skipped(key: Any, error: BaseException) -> None:
-    """A source that leaves bad data out itself (a format reader's ``on_error="skip"``)
-    says so here, from its ``read()``: the skip is counted in ``loader.stats().skipped``
-    and listed in ``loader.skipped`` (from a worker too), as a load stage's skips are.
-    Outside a loader (a reader read by hand) nothing happens."""
+    """A source that leaves bad data out itself (a format reader's ``on_error="skip"``) says
+    so here: counted and listed as a load stage's skips are (outside a loader: nothing)."""
     report = SKIP_REPORT.get()
     if report is None:
         return
@@ -296,18 +290,18 @@ class LoadStage:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def load(self, key: Any) -> Any:
-        """The instance of ``key`` (retried as the policy says), or a :class:`SkippedLoad`.
-
-        Raises :class:`LoadError` with ``on_error="raise"``, and with "skip" after
-        :data:`MAX_CONSECUTIVE_FAILURES` keys failed in a row.
-        """
+        """The instance of ``key`` (retried as the policy says), or a :class:`SkippedLoad`;
+        :class:`LoadError` with "raise", and with "skip" after :data:`MAX_CONSECUTIVE_FAILURES`."""
         assert self._call is not None, "enter the stage first"
         retry = self.options.retry
         async with self._gate:
             for attempt in itertools.count(1):
                 try:
-                    async with asyncio.timeout(retry.timeout):  # None: no limit
+                    if retry.timeout is None:  # not asyncio.timeout(None): 5 us a load
                         instance = await self._call(key)
+                    else:
+                        async with asyncio.timeout(retry.timeout):
+                            instance = await self._call(key)
                 except Exception as exc:  # noqa: BLE001 - classified, retried or reported
                     if attempt <= retry.retries and retry.transient(exc):
                         await asyncio.sleep(retry.delay(attempt))
@@ -340,11 +334,9 @@ class LoadStage:
 
     async def stream(self, keys: AsyncIterator[Any], *, ordered: bool | None = None,
                      tagged: bool = False) -> AsyncIterator[Any]:
-        """Instances (or :class:`SkippedLoad` markers) of ``keys``: in key order when
-        ``ordered`` (None: as the options say), else as loads finish. At most
-        ``concurrency`` keys are taken ahead of what was yielded. ``tagged``: each key comes
-        as ``(tag, key)`` and each instance goes as ``(tag, instance)``, so that what was
-        delivered can be told whatever the order the loads finished in."""
+        """Instances (or :class:`SkippedLoad` markers) of ``keys``, at most ``concurrency``
+        ahead: in key order when ``ordered`` (None: as the options say), else as loads
+        finish. ``tagged``: keys come as ``(tag, key)``, instances go as ``(tag, instance)``."""
         in_order = self.options.ordered if ordered is None else ordered
         started: dict[asyncio.Task[Any], Any] = {}  # the loads in flight, in key order: tags
         more = True

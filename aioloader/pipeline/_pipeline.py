@@ -6,12 +6,10 @@
  index batches ─► fetch() or LoadStage.fetch() (InOrder: overlapped, in order) ─► collate
 ```
 
-Each is a plain iterable (a sync source without a load stage: it runs wherever its consumer
-pulls it) or an async iterable, which a worker wraps with its wire and the in-process
-producers iterate directly. Every async iterator here is started without the loop's
-async-generator hooks (:func:`unhooked`) and closed by whoever iterates it: an in-process
-producer outlives the loop of one epoch, which would close at its shutdown the generators
-first iterated on it.
+Each is a plain iterable (a sync source without a load stage) or an async one, started
+without the loop's async-generator hooks (:func:`unhooked`) and closed by whoever iterates
+it: an in-process producer outlives the loop of one epoch, which would close at its
+shutdown the generators first iterated on it.
 """
 
 from __future__ import annotations

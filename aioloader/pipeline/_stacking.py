@@ -33,7 +33,7 @@ class use_allocator:
     A class, not a generator: entered once a batch, a generator costs five calls more.
 
     Examples:
-        with use_allocator(arena.allocate):
+        with use_allocator(writer.alloc):
             batch = default_collate(samples)
     """
 

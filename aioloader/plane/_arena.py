@@ -91,12 +91,9 @@ class ArenaMap:
 
 
 class Lease:
-    """Views of one slot for the consumer (parent side); ``on_free`` runs once none is left,
-    in any thread, at any time.
-
-    The views share one numpy array over the slot, the only object whose death is
-    observable (torch storages get new Python wrappers each time they are looked at).
-    """
+    """Views of one slot for the consumer; ``on_free`` runs once none is left, in any thread.
+    They share one numpy array over the slot, the only object whose death is observable
+    (torch storages get new Python wrappers each time they are looked at)."""
 
     def __init__(self, arena: ArenaMap, slot: int, on_free: Callable[[], None]) -> None:
         import numpy as np

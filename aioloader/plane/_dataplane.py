@@ -110,11 +110,8 @@ class RefPool(SlotPool):
 # ---------------------------------------------------------------------- parent side
 
 class SlotLedger:
-    """The parent's account of one worker's slots; ``send_release(slot)`` frees one.
-
-    Leases end in the garbage collector, in any thread: their slots queue in ``_returned``
-    and go back on the loop, at the next :meth:`take` or :meth:`reclaim`.
-    """
+    """The parent's account of one worker's slots; ``send_release(slot)`` frees one. Leases
+    end in the GC, in any thread: their slots queue in ``_returned`` for the loop."""
 
     def __init__(self, slots: int, send_release: Callable[[int], None], *,
                  lease: bool = True) -> None:
@@ -127,8 +124,6 @@ class SlotLedger:
         self._outstanding: collections.Counter[int] = collections.Counter()  # by generation
         self._returned: collections.deque[int] = collections.deque()  # any thread appends
 
-    # -- what arrives
-
     def add_arena(self, fd: int, slots: int, slot_size: int) -> None:
         """A new generation, mapped from ``fd`` (the caller closes it)."""
         self.generation += 1
@@ -138,8 +133,6 @@ class SlotLedger:
     def published(self, slot: int) -> None:
         """A message that holds ``slot`` arrived (a batch, or the end of a pass)."""
         self._outstanding[slot // self.slots] += 1
-
-    # -- what the consumer takes
 
     async def take(self, slot: int, nbytes: int, tree: Any, *, lease: bool = True) -> Any:
         """The batch in ``slot``, the consumer's own: leased (views of the slot), or copied.

@@ -48,12 +48,9 @@ class Rewind:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """A batch lies in arena slot ``slot``; ``tree`` is its encoded structure (see _codec).
-
-    ``nbytes``: its tensor data, so the parent knows what copying it out costs before it
-    starts; ``mark``: where a stream's batch lies in its pass (``_position.Mark``; None for
-    index batches); ``busy``: the worker's seconds spent working so far (telemetry).
-    """
+    """A batch lies in arena slot ``slot``; ``tree``: its structure (_codec); ``nbytes``:
+    its tensor data (what copying it out costs); ``mark``: where a stream's batch lies in
+    its pass (``_position.Mark``); ``busy``: the worker's seconds at work so far."""
 
     TAG: ClassVar[int] = 10
     slot: int
