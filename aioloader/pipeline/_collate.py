@@ -125,7 +125,8 @@ def _collate_tensors(batch: Sequence[Any], path: _Path, pad: PadCollate | None) 
             "supported by the default collate_fn; please provide a custom collate_fn to "
             "handle them appropriately."
         )
-    if pad is not None and elem.dim() == 1 and _ragged_tensors(batch):
+    if pad is not None and elem.dim() == 1 and any(
+            not isinstance(t, torch.Tensor) or t.shape != elem.shape for t in batch):
         return _pad_tensors(batch, path, pad.pad_value)
     try:
         return stack(batch)
@@ -221,11 +222,6 @@ _EXACT: dict[type, _Handler] = {cls: _classify(cls) for cls in (
 
 
 # ---------------------------------------------------------------------------------- padding
-
-
-def _ragged_tensors(batch: Sequence[Any]) -> bool:
-    shape = batch[0].shape
-    return any(not isinstance(t, torch.Tensor) or t.shape != shape for t in batch)
 
 
 def _pad_tensors(batch: Sequence[Any], path: _Path, pad_value: int | float) -> torch.Tensor:

@@ -75,14 +75,12 @@ class Recycler:
     def _dropped(self, seen: weakref.ref[np.ndarray]) -> None:
         """A tensor's view died (in whatever thread dropped it): its buffer is free."""
         entry = self._out.pop(id(seen), None)
-        if entry is not None:  # (None: handed out before a fork, in the parent)
-            self._give_back(entry[1])
-
-    def _give_back(self, buffer: np.ndarray) -> None:
+        if entry is None:  # handed out before a fork, in the parent
+            return
         with self._lock:
             free = self._free
-            free.append(buffer)
-            self._held += buffer.nbytes
+            free.append(entry[1])
+            self._held += entry[1].nbytes
             while len(free) > KEEP or self._held > self.keep_bytes:
                 self._held -= free.pop(0).nbytes  # the oldest: sizes drift with the data
 

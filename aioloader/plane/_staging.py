@@ -129,23 +129,25 @@ class Stager:
         purpose: the only wait, for a staging buffer's last copy, is bounded by copy time
         (the side stream holds nothing else), never by the consumer's compute."""
         backend = self._backend
-        staged = [t for t in tensors(batch) if t.device != self.device and _stages(t)]
-        offsets, need = _layout(staged)
-        slot = self._claim(need)
+        # Aligned places in one buffer: any dtype can view its place.
+        slot = self._claim(sum(align(t.nbytes) for t in tensors(batch)
+                               if t.device != self.device and _stages(t)))
         buffer = slot.buffer
         consumer = handing_to.get()
         if consumer is None:
             consumer = backend.current_stream()
         moved: list[torch.Tensor] = []
-        places = iter(offsets)
+        end = 0
 
         def move(t: torch.Tensor) -> torch.Tensor:
+            nonlocal end
             if t.device == self.device:
                 return t
             src = t
             if _stages(t):
                 assert buffer is not None
-                src = _view(buffer, next(places), t)
+                src = buffer[end:end + t.nbytes].view(t.dtype).view(t.shape)
+                end += align(t.nbytes)
                 with torch.no_grad():
                     src.copy_(t)  # this tensor's H2D copy then overlaps the next one's fill
             out = backend.copy(src, self._stream)
@@ -183,17 +185,3 @@ def _stages(t: torch.Tensor) -> bool:
     """Dense CPU tensors go through the ring; others (sparse, quantized, on another device)
     are copied directly."""
     return t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
-
-
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Aligned offsets of ``tensors`` in one buffer (any dtype can view its place), total."""
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end = align(end + t.numel() * t.element_size())
-    return offsets, end
-
-
-def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    nbytes = like.numel() * like.element_size()
-    return buffer[offset:offset + nbytes].view(like.dtype).view(like.shape)
