@@ -102,11 +102,7 @@ MEMORY = Recycler()
 
 
 def _comes_and_goes(nbytes: int) -> None:
-    """Let malloc see a block of ``nbytes`` freed, as it would see each batch without us.
-
-    glibc raises the size it maps (and the heap it keeps) when it sees large blocks freed;
-    kept buffers teach it nothing, and the 64 image clones a batch is built from were then
-    given back to the kernel after each batch (2,175 faults, 4 ms of a 5 ms fetch). One
-    block freed unused costs a map and an unmap, no fault.
-    """
+    """Let malloc see a block of ``nbytes`` freed, as it would see each batch without us:
+    else it keeps too little heap, and a batch's samples fault in anew each batch (2,175
+    faults, 4 ms of a 5 ms fetch; docs/architecture.md). A map and an unmap, no fault."""
     torch.empty(nbytes, dtype=torch.uint8)

@@ -22,13 +22,9 @@ SLOTS = 2  # staging buffers: batch N fills one while batch N-1's copy may still
 
 
 class Backend(Protocol):
-    """What the stager needs from an accelerator; :class:`CudaBackend` is the real one.
-
-    Its streams have ``wait_event(event)``; its events ``record(stream)``, ``query()`` and
-    ``synchronize()``. ``pinned``: a page-locked uint8 buffer; ``copy``: ``src`` on the
-    device, allocated and copied on ``stream``, not waited for; ``keep_for``: ``tensor``'s
-    memory is not reused until ``stream``'s work on it is done.
-    """
+    """What the stager needs from an accelerator (:class:`CudaBackend`'s): streams with
+    ``wait_event``, events with ``record``, ``query``, ``synchronize``; ``copy`` allocates
+    and copies on ``stream``, unwaited; ``keep_for`` keeps memory until ``stream`` is done."""
 
     device: torch.device  # tensors already there pass through
 
