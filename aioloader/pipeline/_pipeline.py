@@ -19,7 +19,7 @@ import collections
 import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .._errors import CollateKeyError
 from ..plans._batcher import Batcher, Group
@@ -223,25 +223,49 @@ class Pipeline:
         assert self.options is not None
         numbered = (start.keys or (0,)) if self.numbers_keys() else None
         shard = self.shard(start.start, start.frontier, numbered, batched=True)
-        cut = ShardPass(shard, self.options, seed, start)
-        instances = self.instances(shard, stage, offload)
-        if isinstance(instances, Unhooked):
-            return unhooked(_async_batches(instances, cut, touch))
-        return _sync_batches(instances, cut, touch)
+        return _cut(self.instances(shard, stage, offload),
+                    ShardPass(shard, self.options, seed, start), touch)
 
     def chunks(self, start: BlockStart, stage: LoadStage | None, *,
                touch: Touch | None = None,
                offload: Offload | None = None) -> Iterator[list[Any]] | Unhooked[list[Any]]:
         """One pass's instances (and skipped keys' markers), in lists of :data:`INSTANCE_CHUNK`,
         in the keys' order (a cache's order must not depend on which load finished first)."""
-        instances = self.instances(self.shard(start), stage, offload, ordered=True)
-        if isinstance(instances, Unhooked):
-            return unhooked(_async_chunks(instances, touch))
-        return _sync_chunks(instances, touch)
+        return _cut(self.instances(self.shard(start), stage, offload, ordered=True),
+                    _Chunks(), touch)
 
 
-def _sync_batches(instances: Iterable[Any], cut: ShardPass,
-                  touch: Touch | None) -> Iterator[Step]:
+class _Chunks:
+    """Instances in lists of :data:`INSTANCE_CHUNK`, cut as :class:`ShardPass` cuts batches."""
+
+    def __init__(self) -> None:
+        self.chunk: list[Any] = []
+
+    def take(self, instance: Any) -> list[list[Any]]:
+        self.chunk.append(instance)
+        if len(self.chunk) < INSTANCE_CHUNK:
+            return []
+        chunk, self.chunk = self.chunk, []
+        return [chunk]
+
+    def finish(self) -> list[list[Any]]:
+        return [self.chunk] if self.chunk else []
+
+
+class _Cut(Protocol[T]):
+    def take(self, instance: Any) -> list[T]: ...
+    def finish(self) -> list[T]: ...
+
+
+def _cut(instances: Iterable[Any] | Unhooked[Any], cut: _Cut[T],
+         touch: Touch | None) -> Iterator[T] | Unhooked[T]:
+    """What ``cut`` makes of ``instances``, with a ``touch`` after each instance."""
+    if isinstance(instances, Unhooked):
+        return unhooked(_async_cut(instances, cut, touch))
+    return _sync_cut(instances, cut, touch)
+
+
+def _sync_cut(instances: Iterable[Any], cut: _Cut[T], touch: Touch | None) -> Iterator[T]:
     for instance in instances:
         if touch is not None:
             touch()
@@ -249,8 +273,8 @@ def _sync_batches(instances: Iterable[Any], cut: ShardPass,
     yield from cut.finish()
 
 
-async def _async_batches(instances: AsyncIterator[Any], cut: ShardPass,
-                         touch: Touch | None) -> AsyncIterator[Step]:
+async def _async_cut(instances: AsyncIterator[Any], cut: _Cut[T],
+                     touch: Touch | None) -> AsyncIterator[T]:
     try:
         async for instance in instances:
             if touch is not None:
@@ -261,39 +285,6 @@ async def _async_batches(instances: AsyncIterator[Any], cut: ShardPass,
             yield step
     finally:
         await aclose(instances)
-
-
-def _sync_chunks(instances: Iterable[Any], touch: Touch | None) -> Iterator[list[Any]]:
-    it = iter(instances) if touch is None else _touching(instances, touch)
-    while True:
-        chunk = list(itertools.islice(it, INSTANCE_CHUNK))
-        if chunk:
-            yield chunk
-        if len(chunk) < INSTANCE_CHUNK:
-            return
-
-
-async def _async_chunks(instances: AsyncIterator[Any],
-                        touch: Touch | None) -> AsyncIterator[list[Any]]:
-    chunk: list[Any] = []
-    try:
-        async for item in instances:
-            if touch is not None:
-                touch()
-            chunk.append(item)
-            if len(chunk) >= INSTANCE_CHUNK:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
-    finally:
-        await aclose(instances)
-
-
-def _touching(stream: Iterable[Any], touch: Touch) -> Iterator[Any]:
-    for item in stream:
-        touch()
-        yield item
 
 
 async def _listed(stream: Iterable[Any], offload: Offload | None) -> AsyncIterator[Any]:
