@@ -280,8 +280,7 @@ def _numbers_tensor(flat: Sequence[Any], dtype: torch.dtype | None = None) -> to
     with contextlib.suppress(OverflowError):  # beyond int64 or double: torch's own error
         if kinds == _INTS and dtype is None:
             return torch.frombuffer(array.array("q", flat), dtype=torch.int64).clone()
-        if kinds in (_INTS, _FLOATS, _INTS_AND_FLOATS) and (
-                dtype is not None or kinds != _INTS):
+        if kinds in (_INTS, _FLOATS, _INTS_AND_FLOATS):
             doubles = torch.frombuffer(array.array("d", flat), dtype=torch.float64)
             # A tensor of its own, resizable like torch.tensor's (not the array's memory).
             return doubles.to(dtype or torch.get_default_dtype(), copy=True)

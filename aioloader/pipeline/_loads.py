@@ -212,12 +212,9 @@ async def report_skipped(key: Any, error: BaseException) -> None:
 
 
 class LoadStage:
-    """One process's load stage: ``async with LoadStage(...) as stage``.
-
-    Entering it enters the source's ``loading()`` context (sessions, clients) in the running
-    loop; leaving it cancels every load in flight, waits for them, and leaves that context.
-    A plain (sync) load function runs in a pool of ``concurrency`` threads.
-    """
+    """One process's load stage: ``async with LoadStage(...) as stage`` enters the source's
+    ``loading()`` context (sessions, clients); leaving cancels the loads in flight, waits for
+    them, and leaves it. A plain load function runs in a pool of ``concurrency`` threads."""
 
     def __init__(self, source: Any, options: LoadOptions, *, worker: int | None,
                  report: Report) -> None:
@@ -398,14 +395,11 @@ class SkipLog:
 
 
 def ops_on_this_thread() -> None:
-    """A helper thread's torch ops (a load thread's; the in-process fetch thread's) run on
-    that thread alone; every other thread keeps its count (issue 23).
-
-    Not ``torch.set_num_threads``: it also stores the count process-wide, for every thread
-    that has run no parallel op yet (a main thread then trained on one thread after an epoch
-    with a load stage). OpenMP's ``omp_set_num_threads`` is per thread, after torch's lazy
-    set-up of it (or that would reset it). Without OpenMP nothing changes.
-    """
+    """A helper thread's torch ops (a load thread's; the fetch thread's) run on that thread
+    alone (issue 23). Not ``torch.set_num_threads``: it also stores the count for every
+    thread that has run no parallel op yet (a main thread then trained on one thread after an
+    epoch with a load stage). OpenMP's ``omp_set_num_threads`` is per thread, set after
+    torch's lazy set-up of it (which would reset it). Without OpenMP nothing changes."""
     setter = _omp_set_num_threads()
     if setter is None:
         return

@@ -69,12 +69,9 @@ Step = Batch | Boundary
 
 
 class ShardPass:
-    """One pass over one shard: instances in, batches out, each with its :data:`Mark`.
-
-    Each block's start (``shard.mark``) goes with its first batch, so that the consumer
-    always knows where to resume; resuming, the batches delivered already are dropped here,
-    before anything is collated.
-    """
+    """One pass over one shard: instances in, batches out, each with its :data:`Mark`. Each
+    block's start (``shard.mark``) goes with its first batch, so the consumer always knows
+    where to resume; resuming, batches delivered already are dropped before any collate."""
 
     def __init__(self, shard: Shard, options: BatchOptions, seed: int,
                  start: ShardPosition | None = None) -> None:
@@ -92,9 +89,8 @@ class ShardPass:
         self._gap = -1  # the last block with a key skipped on error (its batches skip it)
 
     def take(self, instance: Any) -> list[Step]:
-        """Take one instance (or a skipped key's marker; a numbered stream's ``(number,
-        instance)``): the batches it completes, then a :class:`Boundary` when a block closed
-        (or has not begun) here."""
+        """Take one instance (a skipped key's marker; a numbered stream's ``(number, instance)``):
+        the batches it completes, then a :class:`Boundary` where a block closed (or begins)."""
         self.taken += 1
         # A key skipped on error counts for the position, and has nothing to batch.
         item = instance[1] if self.shard.numbered else instance
@@ -317,9 +313,7 @@ def each(steps: Iterable[T] | Unhooked[T]) -> Unhooked[T]:
 
 class InOrder(Generic[R, T]):
     """``start(request)`` for each request as it arrives, results handed on in the requests'
-    order: the work of later requests overlaps the wait for the first.
-
-    ``ahead``: at most so many started and not yet handed on (None: the requester bounds
+    order; ``ahead``: at most so many started and not handed on (None: the requester bounds
     them). Not an async generator (module docstring); :meth:`aclose` cancels what is in flight.
     """
 
