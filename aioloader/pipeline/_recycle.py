@@ -1,18 +1,11 @@
 """Reused memory for the large tensors that a ``num_workers=0`` loader collates (issue 23).
 
-A batch collated in this process is new memory each time, and new memory costs a page fault
-per 4 KiB page (~2 us each here). On the main thread glibc keeps a freed batch in its heap
-and hands it out again, so only the first batches fault; in the fetch thread it does not
-(that thread's arena gives a freed 9.6 MB batch back to the kernel: 2,352 faults, 4.4 ms of a
-5 ms fetch, against 0.4 ms on the main thread). So a proof in the thread cost ten loop
-fetches, and a fetch that went back there paid it every batch.
-
-A :class:`Recycler` keeps the buffers of batches the consumer has dropped and builds the next
-batches in them, as a worker builds its batches in its arena's slots. Each large tensor gets
-a buffer of its own, seen through a buffer-sized numpy array and a tensor of exactly its
-size: its storage is its own (saving one tensor of a batch saves just that one), and the
-array's death, when the last view of the tensor goes, hands the buffer back, from whatever
-thread drops it. Small tensors come from ``torch.empty``: malloc reuses those anyway.
+Fresh memory costs a page fault per 4 KiB page, and the fetch thread's glibc heap gave each
+freed 9.6 MB batch back to the kernel (2,352 faults, 4.4 ms of a 5 ms fetch). A
+:class:`Recycler` builds the next batches in the buffers of those the consumer dropped, as
+a worker builds them in its arena (docs/architecture.md, "Batches built in this process").
+Each large tensor gets a buffer of its own (saving one tensor saves just that one); the death
+of its numpy view hands the buffer back, from whatever thread drops it.
 """
 
 from __future__ import annotations
@@ -35,8 +28,7 @@ PAGE = 64 << 10  # new buffers are rounded up to this: a tensor kept pins at mos
 class Recycler:
     """An allocator (``aioloader.pipeline._stacking.Allocator``) over reused buffers."""
 
-    def __init__(self, keep: int = KEEP, keep_bytes: int = KEEP_BYTES) -> None:
-        self.keep = keep
+    def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep_bytes = keep_bytes
         self._reset()
         # A forked child starts afresh: the parent's lock may have been held at the fork (by
@@ -83,15 +75,13 @@ class Recycler:
     def _dropped(self, seen: weakref.ref[np.ndarray]) -> None:
         """A tensor's view died (in whatever thread dropped it): its buffer is free."""
         entry = self._out.pop(id(seen), None)
-        if entry is not None:  # (None: handed out before a fork, in the parent)
-            self._give_back(entry[1])
-
-    def _give_back(self, buffer: np.ndarray) -> None:
+        if entry is None:  # handed out before a fork, in the parent
+            return
         with self._lock:
             free = self._free
-            free.append(buffer)
-            self._held += buffer.nbytes
-            while len(free) > self.keep or self._held > self.keep_bytes:
+            free.append(entry[1])
+            self._held += entry[1].nbytes
+            while len(free) > KEEP or self._held > self.keep_bytes:
                 self._held -= free.pop(0).nbytes  # the oldest: sizes drift with the data
 
     def held(self) -> int:
@@ -112,13 +102,7 @@ MEMORY = Recycler()
 
 
 def _comes_and_goes(nbytes: int) -> None:
-    """Let malloc see a block of ``nbytes`` freed, as it would see each batch without us.
-
-    glibc adapts to what a process frees: freeing a block it had to map raises the size it
-    maps instead of heaping (up to 32 MB), and the heap it keeps with it (twice that). A
-    batch freed after each step taught it that batches come and go; memory that we keep
-    teaches it nothing, and the samples a batch is built from (64 image clones, 9.6 MB)
-    were then given back to the kernel after each batch and faulted in again: 2,175 faults,
-    4 ms of a 5 ms fetch. One block freed unused costs a map and an unmap, no fault.
-    """
+    """Let malloc see a block of ``nbytes`` freed, as it would see each batch without us:
+    else it keeps too little heap, and a batch's samples fault in anew each batch (2,175
+    faults, 4 ms of a 5 ms fetch; docs/architecture.md). A map and an unmap, no fault."""
     torch.empty(nbytes, dtype=torch.uint8)

@@ -30,12 +30,10 @@ SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc
 
 class use_allocator:
     """Make `new_tensor` (and so every collated CPU tensor) come from `alloc` in this context.
-
-    A class, not a generator: it is entered once a batch, and a generator-based context
-    costs five calls more each time.
+    A class, not a generator: entered once a batch, a generator costs five calls more.
 
     Examples:
-        with use_allocator(arena.allocate):
+        with use_allocator(writer.alloc):
             batch = default_collate(samples)
     """
 
@@ -83,26 +81,19 @@ def stack(tensors: Sequence[Any]) -> torch.Tensor:
 
 @dataclass(slots=True)
 class ConsumerWaits:
-    """Whether the consumer is waiting for what this thread builds now (set by its
-    producer, read here): the helper is wanted only then. Otherwise the consumer's own step
-    may hold every core, and a chunk the idle-priority helper began waits for that step to
-    end while this thread waits for the chunk (a priority inversion: image batches ahead of
-    a consumer's matmul step came at 0.59x torch's ``num_workers=0`` with the helper, 0.78x
-    without)."""
+    """Whether the consumer waits for what this thread builds now: only then is the helper
+    asked. Otherwise a chunk the idle-priority helper began waits for the consumer's step
+    while this thread waits for the chunk (image batches ahead of a matmul step: 0.59x
+    torch's ``num_workers=0`` with the helper, 0.78x without)."""
 
     now: bool
 
 
 def copy_helper(executor: Executor | None, waiting: ConsumerWaits | None = None) -> None:
-    """Let large stacks collated in this thread share their copying with ``executor``'s.
-
-    For a thread that runs torch on one OpenMP thread of its own (the in-process fetch
-    thread, ``_loads.ops_on_this_thread``): a second OpenMP team would fight the caller's
-    for the cores, while a thread of ours sleeps on its queue between batches. A batch of
-    permuted images (``decode``: a strided copy, 9.6 MB) took 3.1-3.3 ms on one thread
-    against 2.0-2.4 ms on the caller's two. ``None``: this thread copies alone.
-    ``waiting``: the helper is asked only while it says the consumer waits.
-    """
+    """Let large stacks collated in this thread (one on one OpenMP thread: the fetch
+    thread) share their copying with ``executor``'s (None: alone), while ``waiting`` says
+    the consumer waits. A permuted image batch (a strided copy, 9.6 MB): 3.1-3.3 ms alone,
+    2.0-2.4 ms shared (docs/architecture.md, "Batches built in this process")."""
     _helper.executor = executor
     _helper.waiting = waiting
 
@@ -140,14 +131,9 @@ def _stack_into(tensors: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
 
 def stack_into_arena(batch: Sequence[torch.Tensor], *,
                      collate_fn_map: dict[Any, Callable[..., Any]] | None = None) -> torch.Tensor:
-    """torch's ``collate_tensor_fn`` as a worker of ours runs it: stacked into the arena
-    (a worker process's slot; a thread worker has none, and stacks into plain memory).
-
-    torch's own version sees the worker info we set (for IterableDatasets that shard
-    themselves) and stacks every batch into a new shared-memory segment: ~1,200 page faults
-    per image batch, then a copy into the arena. This one stacks into the arena's slot (or,
-    when it cannot, into plain memory that the encoder copies in): no segment per batch.
-    """
+    """torch's ``collate_tensor_fn`` as our workers run it: stacked into the arena's slot
+    (else plain memory). torch's own sees the worker info we set and stacks every batch into
+    a new shared-memory segment: ~1,200 page faults per image batch, then a copy."""
     elem = batch[0]
     if elem.is_nested or elem.layout in SPARSE:  # torch's own errors
         raised: torch.Tensor = TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
@@ -159,9 +145,8 @@ TORCH_COLLATE_TENSOR = torch.utils.data._utils.collate.collate_tensor_fn
 
 
 def route_torch_collate_into_arena() -> None:
-    """In a worker process: torch's ``default_collate`` (passed as ``collate_fn``, or called
-    by a user's collate) stacks tensors with :func:`stack_into_arena`, for good (that process
-    is ours; in this one, :data:`TORCH_COLLATE_IN_THREADS` is scoped)."""
+    """In a worker process (ours): torch's ``default_collate`` stacks with
+    :func:`stack_into_arena` for good (in this process, :data:`TORCH_COLLATE_IN_THREADS`)."""
     torch.utils.data._utils.collate.default_collate_fn_map[torch.Tensor] = stack_into_arena
 
 
@@ -178,10 +163,8 @@ def _torch_collate_without_segments() -> Callable[[], None]:
     return undo
 
 
-# While thread workers exist: torch's default_collate does not put a thread worker's
-# batches in shared memory (it does so whenever get_worker_info() is set, for a worker
-# *process*: pointless in-process). With no arena slot to fill (none in a thread, nor
-# outside workers) stack_into_arena is a plain stack.
+# While thread workers exist, torch's default_collate does not put their batches in shared
+# memory (as it does whenever get_worker_info() is set): stack_into_arena is a plain stack.
 TORCH_COLLATE_IN_THREADS = Patch(_torch_collate_without_segments)
 
 

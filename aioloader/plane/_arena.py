@@ -1,15 +1,13 @@
 """The shared-memory arena: one anonymous file per worker, cut into fixed-size slots.
 
-The worker creates the arena (``memfd_create`` on Linux: anonymous, so nothing can leak even
-after ``kill -9``, and independent of the size of /dev/shm), maps it pre-faulted, and hands
-the file descriptor to the parent once over the worker's socket. Each batch is written into
-one free slot; the parent copies it out and gives the slot back. Nothing is allocated per
-batch.
+``memfd_create`` where there is one: anonymous, so nothing leaks even after ``kill -9``, and
+independent of the size of /dev/shm (docs/architecture.md, "The arena").
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import tempfile
@@ -50,26 +48,20 @@ def create_file(size: int, name: str) -> int:
 class ArenaMap:
     """A mapping of an arena file: ``slots`` slots of ``slot_size`` bytes each."""
 
-    def __init__(self, fd: int, slots: int, slot_size: int, *, populate: bool = False) -> None:
+    def __init__(self, fd: int, slots: int, slot_size: int) -> None:
         self.slots = slots
         self.slot_size = slot_size
-        size = slots * slot_size
-        # Not pre-faulted by default: a fresh page costs ~3 us to fault in, and a slot pays
-        # that once, on its first batch, then never again (slots are reused). Populating the
-        # whole arena up front would make the first batch wait for every slot's pages; in
-        # the parent it would stall the event loop.
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        # No MADV_DONTFORK: tensors leased from this mapping may be part of what a worker
-        # forked later reads (a cache, a dataset built from batches); it must see them.
-        self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
+        # Not MAP_POPULATE: a slot faults its pages in (~3 us each) once, on its first batch;
+        # populating the whole arena would make the first batch wait for every slot's, and
+        # in the parent stall the event loop. No MADV_DONTFORK: tensors leased from here may
+        # be part of what a worker forked later reads (a cache); it must see them.
+        self._mm: mmap.mmap | None = mmap.mmap(fd, slots * slot_size, flags=mmap.MAP_SHARED)
         self.bytes: torch.Tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._storage = self.bytes.untyped_storage()
         self.base_ptr: int = self.bytes.data_ptr()
 
     def slot_range(self, slot: int) -> tuple[int, int]:
-        """Byte range of ``slot``. Slot ids run on across arenas (generation g holds ids
-        g * slots ... g * slots + slots - 1), so that a release can never be mistaken for
-        one of another arena."""
+        """Byte range of ``slot`` (an id of any generation, ``_dataplane``)."""
         start = (slot % self.slots) * self.slot_size
         return start, start + self.slot_size
 
@@ -99,12 +91,9 @@ class ArenaMap:
 
 
 class Lease:
-    """Views of one slot for the consumer (parent side); ``on_free`` runs once none is left.
-
-    The views share one numpy array over the slot, the only object whose death is
-    observable (torch storages get new Python wrappers each time they are looked at); its
-    ``weakref.finalize`` hands the slot back. It may run in any thread, at any time.
-    """
+    """Views of one slot for the consumer; ``on_free`` runs once none is left, in any thread.
+    They share one numpy array over the slot, the only object whose death is observable
+    (torch storages get new Python wrappers each time they are looked at)."""
 
     def __init__(self, arena: ArenaMap, slot: int, on_free: Callable[[], None]) -> None:
         import numpy as np
@@ -117,19 +106,13 @@ class Lease:
         weakref.finalize(self._base, on_free)
 
     def __call__(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        return self.view(offset, dtype, shape)
+        rel = offset - self._start
+        raw = torch.from_numpy(self._base[rel:rel + math.prod(shape) * dtype.itemsize])
+        return raw.view(dtype).view(shape)
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset``, copied out (they hold no view of the slot)."""
         return self._mm[offset:offset + n]
-
-    def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        rel = offset - self._start
-        raw = torch.from_numpy(self._base[rel:rel + numel * dtype.itemsize])
-        return raw.view(dtype).view(shape)
 
 
 class SlotFull(Exception):
@@ -158,14 +141,18 @@ class SlotWriter:
         self.pos += nbytes
         return off
 
+    def _place(self, nbytes: int) -> int:
+        off = self._take(nbytes)
+        if off is None:
+            raise SlotFull(align(nbytes))
+        return off
+
     def alloc(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor in the slot; a plain one when the slot is full."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        off = self._take(numel * dtype.itemsize)
+        nbytes = math.prod(shape) * dtype.itemsize
+        off = self._take(nbytes)
         if off is None:
-            self.overflow += align(numel * dtype.itemsize)
+            self.overflow += align(nbytes)
             return torch.empty(shape, dtype=dtype)
         return self.arena.view(off, dtype, list(shape))
 
@@ -178,16 +165,12 @@ class SlotWriter:
 
     def place_bytes(self, data: bytes) -> int:
         """Copy ``data`` into the slot (one memcpy); its offset. Raises SlotFull."""
-        off = self._take(len(data))
-        if off is None:
-            raise SlotFull(align(len(data)))
+        off = self._place(len(data))
         self.arena.write(off, data)
         return off
 
     def place(self, t: torch.Tensor) -> int:
         """Copy ``t`` into the slot; its offset. Raises SlotFull."""
-        off = self._take(t.numel() * t.element_size())
-        if off is None:
-            raise SlotFull(align(t.numel() * t.element_size()))
+        off = self._place(t.nbytes)
         self.arena.view(off, t.dtype, list(t.shape)).copy_(t)
         return off

@@ -1,18 +1,15 @@
 """Batch codec: a batch's structure as msgpack data, its tensors as places in an arena slot.
 
-``encode`` walks what the collate returned, and is total: for any picklable batch, the tree
-it returns packs with msgpack. Tensors go into the slot (or are found already there, when
-the collate wrote straight into it) and become ``["T", offset, dtype, shape,
-requires_grad]``; so do bytes of :data:`BYTES_IN_SLOT` or more (raw JPEGs, a tar member),
-as ``["B", offset, length]``, read back as bytes. Containers keep their exact type:
-``"d"`` dict, ``"l"`` list, ``"t"`` tuple, ``"n"`` namedtuple, ``"m"`` other mapping
-rebuilt from its items, ``"o"`` a ``UserDict`` (such as transformers' ``BatchEncoding``)
-or a dataclass, rebuilt from its class and its pickle state, whose tensors travel through
-the slot like any other. Plain msgpack scalars stay bare; a str that is not valid UTF-8
-(surrogate escapes, as ``os.fsdecode`` makes of undecodable file names) is ``"s"``;
-anything else is pickled on its own (``"P"``), never the tree around it. ``decode``
-rebuilds it in the parent, each tensor either copied out or leased (a view of the slot
-that gives the slot back once garbage-collected).
+``encode`` is total: for any picklable batch, its tree packs with msgpack. Tensors go into
+the slot (or are found there, written by the collate) as ``["T", offset, dtype, shape,
+requires_grad]``; bytes of :data:`BYTES_IN_SLOT` or more as ``["B", offset, length]``.
+Containers keep their exact type: ``"d"`` dict, ``"l"`` list, ``"t"`` tuple, ``"n"``
+namedtuple, ``"m"`` other mapping rebuilt from its items, ``"o"`` a ``UserDict`` (such as
+transformers' ``BatchEncoding``) or a dataclass, rebuilt from its class and pickle state
+(its tensors travel through the slot too). Plain msgpack scalars stay bare; a str that is
+not valid UTF-8 (``os.fsdecode``'s surrogate escapes) is ``"s"``; anything else is pickled
+on its own (``"P"``), never the tree around it. ``decode`` rebuilds it in the parent, each
+tensor copied out or leased (``_arena.Lease``).
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ import collections
 import dataclasses
 import functools
 import pickle
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -54,11 +51,8 @@ BYTES_IN_SLOT = 4096
 
 
 def tensors_nbytes(obj: Any, depth: int = 0) -> int:
-    """Arena bytes the tensors in ``obj`` need (for sizing a slot).
-
-    Never less than what ``encode`` places in the slot (a slot sized by it must hold the
-    batch); where ``encode`` pickles a container holding tensors, it may count more.
-    """
+    """Arena bytes the tensors in ``obj`` need (for sizing a slot): never less than what
+    ``encode`` places (more where it pickles a container holding tensors)."""
     cls = type(obj)
     if cls in _LEAVES:  # the common leaves first: this runs once a batch
         return 0
@@ -92,11 +86,8 @@ def _parts_nbytes(parts: Iterable[Any], depth: int) -> int:
 
 
 def encode(obj: Any, slot: SlotWriter) -> Any:
-    """The msgpack-ready tree of ``obj``; tensors are written into ``slot``.
-
-    Raises SlotFull (with the bytes the whole batch needs) when they do not fit, and
-    TypeError when part of the batch is neither encodable nor picklable.
-    """
+    """The msgpack-ready tree of ``obj``, its tensors written into ``slot``. Raises SlotFull
+    (with the bytes the whole batch needs), or TypeError for a part that cannot travel."""
     try:
         return _encode(obj, slot, 0)
     except SlotFull:
@@ -184,8 +175,7 @@ def _short(obj: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-# The caches below hold classes, looked up once per batch: bounded, since a program may
-# make classes on the fly (a namedtuple per call).
+# Bounded caches: a program may make classes on the fly (a namedtuple per call).
 
 @functools.lru_cache(maxsize=256)
 def _class_bytes(cls: type) -> bytes | None:
@@ -211,12 +201,9 @@ def _rebuildable_mapping(cls: type) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _object_class(cls: type) -> bytes | None:
-    """The pickled class if its instances travel as ``"o"``, else None.
-
-    UserDicts and dataclasses whose class pickle would rebuild as ``cls.__new__(cls)`` plus
-    the instance's state; a class that says otherwise (``__reduce__``, ``__getnewargs__``,
-    its own ``__new__``) has its instances pickled whole.
-    """
+    """The pickled class if its instances travel as ``"o"``: UserDicts and dataclasses that
+    pickle would rebuild as ``cls.__new__(cls)`` plus state (not with their own
+    ``__reduce__``, ``__getnewargs__`` or ``__new__``: those are pickled whole)."""
     if not (issubclass(cls, collections.UserDict) or dataclasses.is_dataclass(cls)):
         return None
     if (cls.__reduce_ex__ is not object.__reduce_ex__ or cls.__reduce__ is not object.__reduce__
@@ -227,11 +214,8 @@ def _object_class(cls: type) -> bytes | None:
 
 
 def _rebuilt(obj: Any) -> tuple[bytes, Any] | None:
-    """(pickled class, state) when ``obj`` travels as ``"o"``, else None.
-
-    The state is what pickle would keep: ``__getstate__()``, the instance ``__dict__``
-    unless the class says otherwise (``BatchEncoding`` keeps its data and encodings).
-    """
+    """(pickled class, state) when ``obj`` travels as ``"o"``, else None; the state is
+    pickle's, ``__getstate__()`` (``BatchEncoding`` keeps its data and encodings)."""
     cls: type = type(obj)
     pickled_cls = _object_class(cls)
     if pickled_cls is None:
@@ -263,11 +247,17 @@ def _rebuild(cls: Any, state: Any) -> Any:
     return obj
 
 
-TensorAt = Callable[[int, torch.dtype, list[int]], torch.Tensor]
+class TensorAt(Protocol):
+    """Where ``decode`` finds a slot's tensors (copied out or leased, ``_arena.Lease``) and
+    its bytes (read out in one copy: no tensor made, no view of the slot kept)."""
+
+    def __call__(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor: ...
+
+    def read(self, offset: int, n: int) -> bytes: ...
 
 
-class _Copied:
-    """Tensors copied out of an arena (and bytes read straight out of it, one copy)."""
+class Copied:
+    """Tensors copied out of ``arena``: the consumer owns them, the slot is free at once."""
 
     def __init__(self, arena: ArenaMap | None) -> None:
         self.arena = arena
@@ -279,23 +269,6 @@ class _Copied:
     def read(self, offset: int, n: int) -> bytes:
         assert self.arena is not None, "a batch with bytes in its slot arrived before its arena"
         return self.arena.read(offset, n)
-
-
-def copied_from(arena: ArenaMap | None) -> TensorAt:
-    """Tensors copied out of ``arena``: the consumer owns them, the slot is free at once."""
-    return _Copied(arena)
-
-
-def _bytes_at(tensor_at: TensorAt, offset: int, n: int) -> bytes:
-    """The ``n`` bytes a ``"B"`` leaf placed at ``offset``: read straight out of the arena
-    in one copy where ``tensor_at`` can (a copy's, a lease's: no tensor made, no view of the
-    slot kept), else copied out of a view."""
-    read = getattr(tensor_at, "read", None)
-    if read is not None:
-        data: bytes = read(offset, n)
-        return data
-    data = tensor_at(offset, torch.uint8, [n]).numpy().tobytes()
-    return data
 
 
 def decode(tree: Any, tensor_at: TensorAt) -> Any:
@@ -319,7 +292,7 @@ def decode(tree: Any, tensor_at: TensorAt) -> Any:
     if tag == "t":
         return tuple(decode(v, tensor_at) for v in tree[1])
     if tag == "B":
-        return _bytes_at(tensor_at, tree[1], tree[2])
+        return tensor_at.read(tree[1], tree[2])
     if tag == "s":
         return tree[1].decode("utf-8", "surrogatepass")
     if tag == "P":

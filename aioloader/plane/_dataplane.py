@@ -1,18 +1,12 @@
 """The data plane: who owns each arena slot, on both sides of a worker's socket.
 
-A worker's :class:`SlotPool` hands out free slots (reserve), the collate and the encoder
-fill one, and the header announces it (publish); a batch larger than a slot grows the
-arena by a *generation* with fresh slot ids. The parent's :class:`SlotLedger` accounts
-for every published slot until it goes back: ``unread`` (announced, not yet taken) →
-``leased`` (the consumer holds views of it) or ``copied`` → ``returned`` (a ``Release``
-is sent). Nothing else counts slots: sessions ask for a batch and get a value.
-
-Slot ids run on across generations (generation g owns ids ``g * slots ... g * slots +
-slots - 1``), so a release can never be mistaken for a slot of another arena.
-
-A thread worker has no arena: it lives in this process, so its batch goes by reference. The
-same slots (:class:`RefPool`, :class:`RefLedger`) bound what it may have in flight; a
-:class:`Shelf` holds the batch under its slot id from ``publish`` until ``take``.
+A worker's :class:`SlotPool` reserves a slot, the collate and the encoder fill it, the
+header publishes it; the parent's :class:`SlotLedger` accounts for it until it goes back
+(unread -> leased or copied -> returned; docs/architecture.md, "The slot ledger"). Nothing
+else counts slots. Slot ids run on across generations (generation g owns ids ``g * slots
+...``), so a release can never be mistaken for a slot of another arena. A thread worker's
+batch goes by reference (:class:`RefPool`, :class:`RefLedger`, a :class:`Shelf`), bounded
+by the same slots.
 """
 
 from __future__ import annotations
@@ -23,11 +17,11 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from .._stats import ArenaStats
 from ._arena import ArenaMap, Lease, create_file, round_slot_size
-from ._codec import copied_from, decode
+from ._codec import Copied, decode
 
 COPY_IN_THREAD_BYTES = 1 << 20  # a copy this large runs in a thread: the loop keeps going
 LEASE_MIN_BYTES = 256 << 10  # below, a copy costs less than a lease's bookkeeping
@@ -66,12 +60,8 @@ class SlotPool:
         return self.arena is not None and needed <= self.arena.slot_size
 
     def grow(self, needed: int, holding: int) -> Grown:
-        """A larger arena (a new generation) for batches of ``needed`` bytes.
-
-        The old arena is retired without waiting for its slots: the parent keeps its mapping
-        for as long as batches in it are unread or leased, and its releases are ignored.
-        ``holding`` is the slot reserved for the batch that did not fit.
-        """
+        """A larger arena (a new generation) for batches of ``needed`` bytes; ``holding``: the
+        slot reserved for the batch that did not fit. The old arena's slots are not waited for."""
         size = round_slot_size(needed)
         fd = create_file(self.slots * size, self.name)
         try:
@@ -119,25 +109,9 @@ class RefPool(SlotPool):
 
 # ---------------------------------------------------------------------- parent side
 
-class Ledger(Protocol):
-    """What the supervisor asks of a worker's data plane, whatever carries the batches."""
-
-    def add_arena(self, fd: int, slots: int, slot_size: int) -> None: ...
-    def published(self, slot: int) -> None: ...
-    async def take(self, slot: int, nbytes: int, tree: Any, *, lease: bool = True) -> Any: ...
-    def skip(self, slot: int) -> None: ...
-    def reclaim(self) -> None: ...
-    def usage(self) -> ArenaStats: ...
-    def close(self) -> None: ...
-
-
 class SlotLedger:
-    """The parent's account of one worker's slots (see the module docstring).
-
-    ``send_release(slot)`` tells the worker a slot is free again. Leases end in the
-    garbage collector, in any thread: their slots queue in ``_returned`` and go back on
-    the loop, at the next :meth:`take` or :meth:`reclaim`.
-    """
+    """The parent's account of one worker's slots; ``send_release(slot)`` frees one. Leases
+    end in the GC, in any thread: their slots queue in ``_returned`` for the loop."""
 
     def __init__(self, slots: int, send_release: Callable[[int], None], *,
                  lease: bool = True) -> None:
@@ -150,8 +124,6 @@ class SlotLedger:
         self._outstanding: collections.Counter[int] = collections.Counter()  # by generation
         self._returned: collections.deque[int] = collections.deque()  # any thread appends
 
-    # -- what arrives
-
     def add_arena(self, fd: int, slots: int, slot_size: int) -> None:
         """A new generation, mapped from ``fd`` (the caller closes it)."""
         self.generation += 1
@@ -162,15 +134,11 @@ class SlotLedger:
         """A message that holds ``slot`` arrived (a batch, or the end of a pass)."""
         self._outstanding[slot // self.slots] += 1
 
-    # -- what the consumer takes
-
     async def take(self, slot: int, nbytes: int, tree: Any, *, lease: bool = True) -> Any:
-        """The batch in ``slot``, the consumer's own: leased, or copied out of the slot.
+        """The batch in ``slot``, the consumer's own: leased (views of the slot), or copied.
 
-        A large batch is leased: its tensors are views of the slot, which goes back once
-        they are garbage-collected, so nothing is copied. One slot is never leased, so a
-        consumer that hoards batches slows the loader down to copying but never stalls it.
-        ``lease=False`` always copies (what is kept for long, like a cache of instances).
+        One slot is never leased, so a consumer that hoards batches slows the loader down to
+        copying but never stalls it. ``lease=False`` copies what is kept long (a cache).
         """
         self.reclaim()
         arena = self.arenas.get(slot // self.slots)
@@ -184,16 +152,13 @@ class SlotLedger:
             return batch
         try:
             if nbytes >= COPY_IN_THREAD_BYTES:
-                return await asyncio.to_thread(decode, tree, copied_from(arena))
-            return decode(tree, copied_from(arena))
+                return await asyncio.to_thread(decode, tree, Copied(arena))
+            return decode(tree, Copied(arena))
         finally:
-            self.release(slot)
+            self.skip(slot)
 
     def skip(self, slot: int) -> None:
-        """A message that holds ``slot`` needs no reading (the end of a pass)."""
-        self.release(slot)
-
-    def release(self, slot: int) -> None:
+        """Give ``slot`` back (also for a message that needs no reading: a pass's end)."""
         generation = slot // self.slots
         self._outstanding[generation] -= 1
         self._send_release(slot)
@@ -204,7 +169,7 @@ class SlotLedger:
         while self._returned:
             slot = self._returned.popleft()
             self.leased -= 1
-            self.release(slot)
+            self.skip(slot)
 
     def _retire(self, generation: int) -> None:
         if generation < self.generation and self._outstanding[generation] <= 0:
@@ -260,3 +225,6 @@ class RefLedger:
 
     def close(self) -> None:
         self.shelf.items.clear()  # batches never taken
+
+
+Ledger = SlotLedger | RefLedger  # a worker's, whatever carries its batches

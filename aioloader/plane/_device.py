@@ -40,12 +40,8 @@ def move_to(obj: Any, device: torch.device) -> Any:
 
 def pin(obj: Any) -> Any:
     """``obj`` with every CPU tensor in it in page-locked memory (``pin_memory=True``), as
-    torch's pin-memory thread does; the copy to a GPU can then overlap (non_blocking).
-
-    Fresh pages per batch (from torch's caching host allocator), never the staging ring's:
-    the consumer owns its batch for as long as it likes, while a ring buffer is refilled two
-    batches later. With a CUDA target nothing is pinned here: the ring already is.
-    """
+    torch's pin-memory thread does. Fresh pages per batch, never the staging ring's: the
+    consumer owns its batch for as long as it likes (a CUDA target pins nothing here)."""
     return map_tensors(obj, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 

@@ -1,16 +1,9 @@
 """Moving batches to a CUDA device: a pinned staging ring, a side stream, events.
 
-For each batch bound for a CUDA device, :class:`Stager` copies its CPU tensors into one
-reusable page-locked buffer, issues the host-to-device copies on a side stream (so they
-overlap the consumer's work on the previous batch), records an event after them, makes the
-consumer's stream wait for that event, and marks each device tensor as used by the
-consumer's stream (``record_stream``). The CUDA calls go through a small :class:`Backend`,
-so that the ordering is tested on machines without a GPU (tests/test_staging.py).
-
-No batch is taken from the epoch ahead of the consumer: a batch taken early would count as
-handed over, and ``state_dict()`` would resume past it. The overlap comes from the CPU
-running ahead of the GPU instead: batch N's copy is queued while the GPU still works on
-step N-1.
+docs/architecture.md, "Moving batches to the GPU", says how and why (no batch is taken from
+the epoch ahead of the consumer: the overlap comes from the CPU running ahead of the GPU).
+The CUDA calls go through a small :class:`Backend`, so that the ordering is tested on
+machines without a GPU (tests/test_staging.py).
 """
 
 from __future__ import annotations
@@ -28,40 +21,19 @@ from ._device import map_tensors, tensors
 SLOTS = 2  # staging buffers: batch N fills one while batch N-1's copy may still read the other
 
 
-class Stream(Protocol):
-    def wait_event(self, event: Any) -> Any: ...
-
-
-class Event(Protocol):
-    def record(self, stream: Any) -> Any: ...
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> Any: ...
-
-
 class Backend(Protocol):
-    """What the stager needs from an accelerator; :class:`CudaBackend` is the real one."""
+    """What the stager needs from an accelerator (:class:`CudaBackend`'s): streams with
+    ``wait_event``, events with ``record``, ``query``, ``synchronize``; ``copy`` allocates
+    and copies on ``stream``, unwaited; ``keep_for`` keeps memory until ``stream`` is done."""
 
     device: torch.device  # tensors already there pass through
 
     def side_stream(self) -> Any: ...
-
-    def current_stream(self) -> Stream: ...
-
-    def event(self) -> Event: ...
-
-    def pinned(self, nbytes: int) -> torch.Tensor:
-        """A page-locked uint8 buffer of ``nbytes``."""
-        ...
-
-    def copy(self, src: torch.Tensor, stream: Any) -> torch.Tensor:
-        """``src`` on the device, allocated and copied on ``stream``, not waited for."""
-        ...
-
-    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory from reuse until ``stream``'s work on it is done."""
-        ...
+    def current_stream(self) -> Any: ...
+    def event(self) -> Any: ...
+    def pinned(self, nbytes: int) -> torch.Tensor: ...
+    def copy(self, src: torch.Tensor, stream: Any) -> torch.Tensor: ...
+    def keep_for(self, tensor: torch.Tensor, stream: Any) -> None: ...
 
 
 class CudaBackend:
@@ -77,10 +49,10 @@ class CudaBackend:
     def side_stream(self) -> Any:
         return self._side
 
-    def current_stream(self) -> Stream:
+    def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device)
 
-    def event(self) -> Event:
+    def event(self) -> Any:
         return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def pinned(self, nbytes: int) -> torch.Tensor:
@@ -98,9 +70,7 @@ class CudaBackend:
         tensor.record_stream(stream)
 
 
-@functools.cache
-def _cuda_backend(device: torch.device) -> CudaBackend:
-    return CudaBackend(device)
+_cuda_backend = functools.cache(CudaBackend)
 
 
 def backend_for(device: torch.device) -> Backend:
@@ -117,7 +87,7 @@ handing_to: contextvars.ContextVar[Any] = contextvars.ContextVar("aioloader_hand
                                                                 default=None)
 
 
-def consumer_stream(device: torch.device | None) -> Stream | None:
+def consumer_stream(device: torch.device | None) -> Any:
     """The calling thread's current stream on ``device`` if it is a CUDA one, else None."""
     if device is None or device.type != "cuda":
         return None
@@ -127,7 +97,7 @@ def consumer_stream(device: torch.device | None) -> Stream | None:
 @dataclasses.dataclass
 class _Slot:
     buffer: torch.Tensor | None = None
-    event: Event | None = None  # recorded after the last copy that read ``buffer``
+    event: Any = None  # recorded after the last copy that read ``buffer``
 
 
 _ALLOCATED = [0]  # staging buffers allocated by every stager of this process
@@ -151,30 +121,29 @@ class Stager:
         self.allocations = 0  # of staging buffers by this stager: growth only
 
     def stage(self, batch: Any) -> Any:
-        """``batch`` on the device, ready for the consumer's current stream.
-
-        Synchronous on purpose: the only wait is for a staging buffer's last copy, and the
-        side stream holds nothing but copies, so that wait is bounded by copy time, never
-        by the consumer's compute.
-        """
+        """``batch`` on the device, ready for the consumer's current stream. Synchronous on
+        purpose: the only wait, for a staging buffer's last copy, is bounded by copy time
+        (the side stream holds nothing else), never by the consumer's compute."""
         backend = self._backend
-        staged = [t for t in tensors(batch) if t.device != self.device and _stages(t)]
-        offsets, need = _layout(staged)
-        slot = self._claim(need)
+        # Aligned places in one buffer: any dtype can view its place.
+        slot = self._claim(sum(align(t.nbytes) for t in tensors(batch)
+                               if t.device != self.device and _stages(t)))
         buffer = slot.buffer
         consumer = handing_to.get()
         if consumer is None:
             consumer = backend.current_stream()
         moved: list[torch.Tensor] = []
-        places = iter(offsets)
+        end = 0
 
         def move(t: torch.Tensor) -> torch.Tensor:
+            nonlocal end
             if t.device == self.device:
                 return t
             src = t
             if _stages(t):
                 assert buffer is not None
-                src = _view(buffer, next(places), t)
+                src = buffer[end:end + t.nbytes].view(t.dtype).view(t.shape)
+                end += align(t.nbytes)
                 with torch.no_grad():
                     src.copy_(t)  # this tensor's H2D copy then overlaps the next one's fill
             out = backend.copy(src, self._stream)
@@ -212,17 +181,3 @@ def _stages(t: torch.Tensor) -> bool:
     """Dense CPU tensors go through the ring; others (sparse, quantized, on another device)
     are copied directly."""
     return t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
-
-
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Aligned offsets of ``tensors`` in one buffer (any dtype can view its place), total."""
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end = align(end + t.numel() * t.element_size())
-    return offsets, end
-
-
-def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    nbytes = like.numel() * like.element_size()
-    return buffer[offset:offset + nbytes].view(like.dtype).view(like.shape)

@@ -1,16 +1,16 @@
 """The messages between the supervisor and its workers: typed, tagged, msgpack-framed data.
 
-Every message is a frozen dataclass with a fixed tag. On the wire a message is a 4-byte
-big-endian length followed by the msgpack array ``[tag, *fields]``. There are no in-band
-sentinels: the end of a pass, a failure and an arena change are messages of their own.
+Every message is a frozen dataclass with a fixed tag (1-9: parent -> worker; 10 on: worker ->
+parent). On the wire a message is a 4-byte big-endian length followed by the msgpack array
+``[tag, *fields]``. There are no in-band sentinels: the end of a pass, a failure and an arena
+change are messages of their own (docs/architecture.md, "The wire", says what each means).
 """
 
 from __future__ import annotations
 
-import enum
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import msgpack
 
@@ -20,28 +20,11 @@ _LEN = struct.Struct("!I")
 MAX_FRAME = 1 << 31  # bytes in one message body; the 4-byte length could say up to 4 GiB
 
 
-class Tag(enum.IntEnum):
-    # parent -> worker
-    RELEASE = 1
-    TASK = 2
-    REWIND = 3
-    # worker -> parent
-    BATCH = 10
-    PASS_END = 11
-    FAILED = 12
-    ARENA = 13
-    PROGRESS = 14
-    RETIRING = 15
-    SKIPPED = 16
-    BATCH_FAILED = 17
-    REWOUND = 18
-
-
 @dataclass(frozen=True, slots=True)
 class Release:
     """The parent copied slot ``slot`` out: the worker may reuse it."""
 
-    TAG: ClassVar[Tag] = Tag.RELEASE
+    TAG: ClassVar[int] = 1
     slot: int
 
 
@@ -49,7 +32,7 @@ class Release:
 class Task:
     """Fetch ``indices`` from the map-style source and collate them as batch ``seq``."""
 
-    TAG: ClassVar[Tag] = Tag.TASK
+    TAG: ClassVar[int] = 2
     seq: int
     indices: list[int]
 
@@ -59,22 +42,17 @@ class Rewind:
     """Drop the pass under way and read pass ``pass_no`` from its start (persistent
     workers, a stream's epoch left early): say :class:`Rewound`, then stream that pass."""
 
-    TAG: ClassVar[Tag] = Tag.REWIND
+    TAG: ClassVar[int] = 3
     pass_no: int
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """A batch lies in arena slot ``slot``; ``tree`` is its encoded structure (see _codec).
+    """A batch lies in arena slot ``slot``; ``tree``: its structure (_codec); ``nbytes``:
+    its tensor data (what copying it out costs); ``mark``: where a stream's batch lies in
+    its pass (``_position.Mark``); ``busy``: the worker's seconds at work so far."""
 
-    ``nbytes``: how much tensor data the slot holds, so the parent knows what copying it
-    out costs before it starts. ``mark``: where a stream's batch lies in its pass
-    (``_position.Mark``), so that the parent knows where to resume; None for index batches.
-    ``busy``: seconds the worker has spent working (not waiting for a slot or a task) since
-    it started, for the loader's telemetry.
-    """
-
-    TAG: ClassVar[Tag] = Tag.BATCH
+    TAG: ClassVar[int] = 10
     slot: int
     seq: int
     nbytes: int
@@ -85,13 +63,10 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class PassEnd:
-    """The worker finished pass ``pass_no`` of its shard after ``batches`` batches.
+    """The worker finished pass ``pass_no`` of its shard after ``batches`` batches. It holds
+    a slot, so that a worker with an empty shard cannot run ahead without bound."""
 
-    It holds a slot like a batch does (released the same way), so that a worker with an
-    empty shard cannot run ahead of the parent without bound.
-    """
-
-    TAG: ClassVar[Tag] = Tag.PASS_END
+    TAG: ClassVar[int] = 11
     slot: int
     pass_no: int
     batches: int
@@ -101,7 +76,7 @@ class PassEnd:
 class Failed:
     """The worker raised; it exits after sending this."""
 
-    TAG: ClassVar[Tag] = Tag.FAILED
+    TAG: ClassVar[int] = 12
     error_repr: str
     traceback: str
     pickled: bytes | None
@@ -109,15 +84,13 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class BatchFailed:
-    """Making batch ``seq`` raised (the dataset or the collate); the worker goes on with its
-    next task, or its stream, as torch's does: the error is that batch's, raised in its turn.
-
-    A stream's failed batch holds ``slot`` as its batch would have (a source that raises
-    on every instance runs no further ahead than one that yields), and its ``mark``, where
-    it lies in its pass; an index batch's has neither (its task bounds it).
+    """Making batch ``seq`` raised; the worker goes on, as torch's does: the error is that
+    batch's, raised in its turn. A stream's failed batch holds ``slot`` and its ``mark`` as
+    its batch would have (a source that raises on every instance runs no further ahead than
+    one that yields); an index batch's has neither (its task bounds it).
     """
 
-    TAG: ClassVar[Tag] = Tag.BATCH_FAILED
+    TAG: ClassVar[int] = 17
     seq: int
     error_repr: str
     traceback: str
@@ -131,7 +104,7 @@ class Rewound:
     """The worker dropped its pass for :class:`Rewind`: what it sent before this belongs to
     the pass dropped, what follows to pass ``pass_no``, from its start."""
 
-    TAG: ClassVar[Tag] = Tag.REWOUND
+    TAG: ClassVar[int] = 18
     pass_no: int
 
 
@@ -139,35 +112,33 @@ class Rewound:
 class Arena:
     """The worker's arena is now the file descriptor passed with this message."""
 
-    TAG: ClassVar[Tag] = Tag.ARENA
+    TAG: ClassVar[int] = 13
     slots: int
     slot_size: int
 
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """The worker is still reading (instances arrive, no batch is full yet): the parent's
-    timeout measures silence, and this is not silence."""
+    """The worker is still reading, no batch full yet: not silence, for the timeout."""
 
-    TAG: ClassVar[Tag] = Tag.PROGRESS
+    TAG: ClassVar[int] = 14
 
 
 @dataclass(frozen=True, slots=True)
 class Retiring:
-    """The worker is due for recycling (max_batches_per_worker, max_worker_rss): a successor
-    takes over its stream at ``position`` (``ShardPosition.to_data()``; everything before
-    was sent already), or, for index batches (None), the tasks not yet sent to it."""
+    """The worker is due for recycling: a successor takes over its stream at ``position``
+    (``ShardPosition.to_data()``), or, for index batches (None), the tasks not yet sent."""
 
-    TAG: ClassVar[Tag] = Tag.RETIRING
+    TAG: ClassVar[int] = 15
     position: Any
 
 
 @dataclass(frozen=True, slots=True)
 class Skipped:
-    """With ``on_error="skip"``, the load of ``key`` failed ``attempts`` times; ``error``:
-    the last error's repr. ``key`` is the key itself when it is plain data, else its repr."""
+    """With ``on_error="skip"``, the load of ``key`` (itself when plain data, else its
+    repr) failed ``attempts`` times; ``error``: the last error's repr."""
 
-    TAG: ClassVar[Tag] = Tag.SKIPPED
+    TAG: ClassVar[int] = 16
     key: Any
     attempts: int
     error: str
@@ -175,9 +146,7 @@ class Skipped:
 
 Message = (Release | Task | Rewind | Batch | PassEnd | Failed | BatchFailed | Rewound | Arena
            | Progress | Retiring | Skipped)
-_TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in (
-    Release, Task, Rewind, Batch, PassEnd, Failed, BatchFailed, Rewound, Arena, Progress,
-    Retiring, Skipped)}
+_TYPES: dict[int, type[Any]] = {cls.TAG: cls for cls in get_args(Message)}
 
 
 def encode(msg: Message) -> bytes:
@@ -185,13 +154,13 @@ def encode(msg: Message) -> bytes:
     # Not dataclasses.astuple: it deep-copies, and this runs once per batch.
     fields = [getattr(msg, name) for name in msg.__slots__]
     try:
-        body: bytes = msgpack.packb([int(msg.TAG), *fields], use_bin_type=True)
+        body: bytes = msgpack.packb([msg.TAG, *fields], use_bin_type=True)
     except UnicodeEncodeError:
         if not isinstance(msg, Failed):
             raise
         # An error's text may hold surrogate escapes (an undecodable file name in its
         # message); it is there to be read, so escape them rather than lose the report.
-        body = msgpack.packb([int(msg.TAG), _readable(msg.error_repr),
+        body = msgpack.packb([msg.TAG, _readable(msg.error_repr),
                               _readable(msg.traceback), msg.pickled], use_bin_type=True)
     except ValueError as exc:  # msgpack: "bytes is too large", a value of 4 GiB or more
         if "too large" not in str(exc).lower():
@@ -256,7 +225,3 @@ class FrameReader:
         if pos:
             del self._buf[:pos]
         return out
-
-    @property
-    def pending_bytes(self) -> int:
-        return len(self._buf)
