@@ -221,13 +221,13 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     output = Output(device=a["cuda_device"],
                     pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
                     quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
-    arguments = a | {"batch_size": None if a["batch_sampler"] is not None else a["batch_size"],
-                     "concurrency": None if loads is None else loads.concurrency}
+    kept = a | {"batch_size": None if a["batch_sampler"] is not None else a["batch_size"],
+                "concurrency": None if loads is None else loads.concurrency}
     topo = topology(a["even_batches"])
     return LoaderConfig(
         source=reader, kind=kind, data_path=data_path, collate_fn=collate_fn,
         batching=batching, workers=workers, loads=loads, output=output,
-        arguments=MappingProxyType(arguments),
+        arguments=MappingProxyType(kept),
         seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
 
 

@@ -1,5 +1,6 @@
-"""The checks of the DataLoader's arguments: each one's type and range, then the rules between
-them, before anything is read or started (issue 19). ``_config.build_config`` runs them."""
+"""The DataLoader's options, each declared once (its type, default and check: a row of
+``LoaderOptions``/``ReaderOptions``), then the rules between them; ``_config.build_config``
+runs them before anything is read or started (issue 19)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,10 @@ FULL_NICE = 19  # worker_nice's default where worker processes fill every core (
 
 
 def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Each argument of ``DataLoader(...)`` alone, by its row in :data:`ARGUMENTS`:
-    ``TypeError`` for a wrong type (:class:`ArgumentTypeError`), ``ValueError`` for a wrong
-    value; each message names the argument, what it got and what it takes. Returns them as
-    the loader keeps them: ints as ``int`` (a numpy integer too), torch's ``timeout=0`` and
-    ``shuffle=None`` as ours, ``cuda_device`` as a ``torch.device``."""
+    """Each argument alone, by its row: ``TypeError`` (:class:`ArgumentTypeError`) for a
+    wrong type, ``ValueError`` for a wrong value, each message naming the argument, what it
+    got and what it takes. Returns them as the loader keeps them (a numpy integer as an int,
+    torch's ``timeout=0`` and ``shuffle=None`` as ours, ``cuda_device`` as a device)."""
     _dataset_data_path(data_path, kind)
     checked = dict(arguments)
     for name, argument in ARGUMENTS.items():
@@ -82,12 +82,8 @@ def check_load_rules(loads: LoadOptions | None, a: dict[str, Any]) -> None:
 
 
 def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> int:
-    """``worker_nice`` as an int from 0 to 19, for a loader that has worker processes.
-
-    None (the default) is :data:`FULL_NICE` where the worker processes are as many as the
-    cores this process may run on, so that they can keep every core busy and the consumer
-    would wait for one each time it wakes, and 0 otherwise; an explicit 0 stays 0.
-    """
+    """``worker_nice`` as an int from 0 to 19, for a loader that has worker processes; None
+    (the default) as DataLoader's docstring says."""
     if nice is None:
         fills = worker_type == "process" and num_workers >= usable_cores()
         return FULL_NICE if fills else 0
@@ -128,8 +124,8 @@ Check = Callable[[str, Any], Any]
 
 
 class Arg(NamedTuple):
-    """An option's row: its default, and its check alone, ``(name, value) -> the value as
-    kept`` (None: checked with the others, in :func:`check_rules`)."""
+    """An option's default and its check alone, ``(name, value) -> the value as kept``
+    (None: checked with the others, in :func:`check_rules`)."""
 
     default: Any
     check: Check | None = None

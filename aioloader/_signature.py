@@ -46,9 +46,7 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, 
         args = ()
     if len(args) > len(positional):
         form = ("DataLoader(reader, data_path, *, ...)" if kind is Kind.READER
-                else "torch's DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, "
-                "num_workers, collate_fn, pin_memory, drop_last, timeout, worker_init_fn, "
-                "multiprocessing_context, generator, *, ...)")
+                else f"torch's DataLoader(dataset, {', '.join(TORCH_POSITIONAL)}, *, ...)")
         raise TypeError(f"DataLoader() takes at most {len(positional) + 1} positional "
                         f"arguments for a {kind.value} ({form}), "
                         f"{len(args) + 1} were given; pass the others by name")
