@@ -106,8 +106,9 @@ class LoaderConfig:
     workers: Workers
     loads: LoadOptions | None
     output: Output
-    # every argument as checked (numpy ints as ints, torch's aliases resolved), for the
-    # loader's attributes; ``batch_size`` is torch's: None with a batch sampler or unbatched
+    # every argument as the loader keeps it, for its attributes: checked (numpy ints as
+    # ints), torch's aliases resolved; torch's ``batch_size`` (None with a batch sampler or
+    # unbatched) and ``batch_sampler`` (over ``sampler``)
     arguments: Mapping[str, Any]
     seed: int | None  # the base seed as given (0 across ranks); None: drawn at the first epoch
     topo: Topology
@@ -221,7 +222,8 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     output = Output(device=a["cuda_device"],
                     pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
                     quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
-    kept = a | {"batch_size": None if a["batch_sampler"] is not None else a["batch_size"],
+    kept = a | {"reader": reader, "data_path": data_path, "batch_sampler": batch_sampler,
+                "batch_size": None if a["batch_sampler"] is not None else a["batch_size"],
                 "concurrency": None if loads is None else loads.concurrency}
     topo = topology(a["even_batches"])
     return LoaderConfig(
@@ -272,12 +274,9 @@ T = TypeVar("T")
 
 
 class Option(Generic[T]):
-    """A loader's option as a read-only attribute: the argument of its name as checked, or
-    what ``path`` names in the config. Fixed when the loader is built (issue 20: a timeout
-    set afterwards armed the consumer's timer, not the workers' progress reports)."""
-
-    def __init__(self, path: str | None = None) -> None:
-        self._path = path
+    """A loader's option as a read-only attribute: the argument of its name, as the loader
+    keeps it. Fixed when the loader is built (issue 20: a timeout set afterwards armed the
+    consumer's timer, not the workers' progress reports)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
@@ -291,12 +290,7 @@ class Option(Generic[T]):
         if obj is None:
             return self
         config: LoaderConfig = obj.config  # type: ignore[attr-defined]
-        if self._path is None:
-            return config.arguments[self._name]  # type: ignore[no-any-return]
-        value: Any = config
-        for part in self._path.split("."):
-            value = getattr(value, part)
-        return value  # type: ignore[no-any-return]
+        return config.arguments[self._name]  # type: ignore[no-any-return]
 
     def __set__(self, obj: object, value: object) -> None:
         raise fixed(self._name, value)

@@ -146,14 +146,14 @@ class DataLoader(Generic[T_co]):
 
     __init__.__signature__ = torch_form()  # type: ignore[attr-defined]  # for help()
 
-    # Options, read-only: the arguments as checked (numpy ints as ints, aliases resolved).
-    reader: Option[Any] = Option("source")
-    data_path: Option[Any] = Option("data_path")
+    # Options, read-only: the arguments as the loader keeps them (LoaderConfig.arguments).
+    reader: Option[Any] = Option()
+    data_path: Option[Any] = Option()
     collate_fn: Option[Callable[[list[Any]], Any] | None] = Option()
     batch_size: Option[int | None] = Option()
     drop_last: Option[bool] = Option()
     shuffle: Option[bool] = Option()
-    batch_sampler: Option[Any] = Option("batching.batch_sampler")
+    batch_sampler: Option[Any] = Option()
     batches_per_epoch: Option[int | None] = Option()
     max_instances_in_memory: Option[int | None] = Option()
     even_batches: Option[bool] = Option()
