@@ -6,7 +6,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Generic, TypeVar, overload
 
 import torch
@@ -107,8 +106,9 @@ class LoaderConfig:
     loads: LoadOptions | None
     output: Output
     # every argument as the loader keeps it, for its attributes: checked (numpy ints as
-    # ints), torch's aliases resolved; torch's ``batch_size`` (None with a batch sampler or
-    # unbatched) and ``batch_sampler`` (over ``sampler``)
+    # ints), torch's aliases resolved, torch's ``batch_size`` (None with a batch sampler or
+    # unbatched) and ``batch_sampler`` (over ``sampler``). Read-only by type; a dict, so
+    # that a config still copies and pickles.
     arguments: Mapping[str, Any]
     seed: int | None  # the base seed as given (0 across ranks); None: drawn at the first epoch
     topo: Topology
@@ -229,7 +229,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     return LoaderConfig(
         source=reader, kind=kind, data_path=data_path, collate_fn=collate_fn,
         batching=batching, workers=workers, loads=loads, output=output,
-        arguments=MappingProxyType(kept),
+        arguments=kept,
         seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
 
 

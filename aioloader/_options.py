@@ -200,12 +200,13 @@ def _real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _seconds(name: str, value: Any, what: str) -> Any:
+def _seconds(name: str, value: Any, what: str) -> float:
     if not _real(value):
         raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
     if not float(value) > 0:  # NaN too
         raise ValueError(f"{name} must be {what}, got {_got(value)}")
-    return value  # as given: an int stays an int
+    seconds: float = value  # as given: an int stays an int
+    return seconds
 
 
 def _timeout(name: str, value: Any) -> float | None:
@@ -215,9 +216,7 @@ def _timeout(name: str, value: Any) -> float | None:
     if _real(value) and value < 0:
         raise ValueError(f"timeout option should be non-negative (as torch says): a number of "
                          f"seconds, or 0 or None for no timeout; got {value}")
-    seconds: float = _seconds(name, value, "a positive number of seconds, 0 or None (no "
-                              "timeout)")
-    return seconds
+    return _seconds(name, value, "a positive number of seconds, 0 or None (no timeout)")
 
 
 def _one_of(choices: tuple[str, ...], what: str | None = None) -> Check:
