@@ -228,8 +228,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     topo = topology(a["even_batches"])
     return LoaderConfig(
         source=reader, kind=kind, data_path=data_path, collate_fn=collate_fn,
-        batching=batching, workers=workers, loads=loads, output=output,
-        arguments=kept,
+        batching=batching, workers=workers, loads=loads, output=output, arguments=kept,
         seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
 
 

@@ -291,8 +291,7 @@ def _function(signature: str) -> Check:
 
 # ---------------------------------------------------------------- every option, once
 # A row per option: its type (what a type checker holds a call to: DataLoader's overloads
-# unpack these), its default and its check. Checked in this order; torch's, in the order of
-# torch's signature, follow aioloader's own.
+# unpack these), its default and its check. torch's are in the order of torch's signature.
 
 
 class LoaderOptions(TypedDict, total=False):
@@ -356,9 +355,11 @@ class ReaderOptions(LoaderOptions, total=False):
     in_order: Annotated[bool, Arg(True, _FLAG)]
 
 
+# Every row, in the signature's order (torch's arguments first), which is the order checked.
 ARGUMENTS: dict[str, Arg] = {
     name: hint.__metadata__[0]
-    for name, hint in get_type_hints(ReaderOptions, include_extras=True).items()}
+    for name, hint in sorted(get_type_hints(ReaderOptions, include_extras=True).items(),
+                             key=lambda row: row[0] in LoaderOptions.__optional_keys__)}
 
 
 # ---------------------------------------------------------------- between arguments
