@@ -1,10 +1,5 @@
-"""LoaderConfig: a DataLoader's arguments, checked once and frozen, in four parts.
-
-Every rule between arguments and every torch alias (``prefetch_factor``,
-``multiprocessing_context``, ``sampler``, ``generator``, ``timeout=0``, ``pin_memory``) is
-resolved here, when the loader is built; nothing downstream sees an alias or re-checks a rule.
-What a worker needs is a part of the config (``Workers``), not a copy of its fields.
-"""
+"""LoaderConfig: a DataLoader's arguments, checked once and frozen, in four parts, every
+torch alias resolved (docs/architecture.md, "The config")."""
 
 from __future__ import annotations
 
@@ -21,7 +16,7 @@ from torch.utils.data.graph_settings import apply_shuffle_settings
 from ._errors import FixedOptionError
 from ._options import check_each, check_load_rules, check_rules
 from .pipeline._collate import Unbatched
-from .pipeline._loads import LoadOptions, Retry, load_options
+from .pipeline._loads import LoadOptions, load_options
 from .pipeline._pipeline import BatchOptions
 from .plane._device import can_pin
 from .plans._distributed import Topology, topology
@@ -99,27 +94,6 @@ class Output:
 
 
 @dataclass(frozen=True)
-class Given:
-    """Arguments kept only as the user gave them (normalized), for the loader's attributes."""
-
-    batch_size: int | None  # torch's loader.batch_size: None with a batch sampler or unbatched
-    max_instances_in_memory: int | None
-    collate_fn: Callable[[list[Any]], Any] | None
-    seed: int | None
-    load_fn: Callable[[Any], Any] | None
-    concurrency: int | None
-    ordered: bool
-    retries: int | Retry
-    on_error: str
-    prefetch_factor: int | None
-    generator: torch.Generator | None
-    in_order: bool
-    multiprocessing_context: Any
-    pin_memory: bool
-    pin_memory_device: str
-
-
-@dataclass(frozen=True)
 class LoaderConfig:
     """A DataLoader's arguments, checked, with every alias resolved."""
 
@@ -131,7 +105,11 @@ class LoaderConfig:
     workers: Workers
     loads: LoadOptions | None
     output: Output
-    given: Given
+    # every argument as the loader keeps it, for its attributes: checked (numpy ints as
+    # ints), torch's aliases resolved, torch's ``batch_size`` (None with a batch sampler or
+    # unbatched) and ``batch_sampler`` (over ``sampler``). Read-only by type; a dict, so
+    # that a config still copies and pickles.
+    arguments: Mapping[str, Any]
     seed: int | None  # the base seed as given (0 across ranks); None: drawn at the first epoch
     topo: Topology
 
@@ -196,7 +174,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
     wrong type, ``ValueError`` for a wrong value or combination, each naming the argument."""
     kind = classify(reader)
     a = check_each(kind, data_path, arguments)
-    check_rules(kind, data_path, a)
+    check_rules(kind, a)
     if isinstance(reader, IterDataPipe):
         if a["worker_type"] == "thread" and a["num_workers"] > 1:
             raise ValueError(
@@ -211,7 +189,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         a["shuffle"] = False
     loads = load_options(reader, kind, load_fn=a["load_fn"], concurrency=a["concurrency"],
                          ordered=a["ordered"], retries=a["retries"], on_error=a["on_error"])
-    check_load_rules(kind, loads, a)
+    check_load_rules(loads, a)
     batch_sampler, batch_size, collate_fn = a["batch_sampler"], a["batch_size"], a["collate_fn"]
     if batch_sampler is not None:
         batch_size = None  # torch's loader.batch_size: the batch sampler decides
@@ -241,21 +219,16 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         max_rss=a["max_worker_rss"], init_fn=a["worker_init_fn"],
         persistent=a["persistent_workers"], progress=a["timeout"] is not None,
         ray_options=a["ray_options"], fetch_on_loop=a["fetch_on_loop"])
-    output = Output(device=a["device"], pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
+    output = Output(device=a["cuda_device"],
+                    pin=a["pin_memory"] and _can_pin(a["pin_memory_device"]),
                     quiet=a["quiet"], timeout=a["timeout"], log_every=a["log_every"])
-    given = Given(
-        batch_size=None if a["batch_sampler"] is not None else a["batch_size"],
-        max_instances_in_memory=a["max_instances_in_memory"], collate_fn=a["collate_fn"],
-        seed=a["seed"], load_fn=a["load_fn"],
-        concurrency=loads.concurrency if loads is not None else None, ordered=a["ordered"],
-        retries=a["retries"], on_error=a["on_error"], prefetch_factor=a["prefetch_factor"],
-        generator=a["generator"], in_order=a["in_order"],
-        multiprocessing_context=a["multiprocessing_context"], pin_memory=a["pin_memory"],
-        pin_memory_device=a["pin_memory_device"])
+    kept = a | {"reader": reader, "data_path": data_path, "batch_sampler": batch_sampler,
+                "batch_size": None if a["batch_sampler"] is not None else a["batch_size"],
+                "concurrency": None if loads is None else loads.concurrency}
     topo = topology(a["even_batches"])
     return LoaderConfig(
         source=reader, kind=kind, data_path=data_path, collate_fn=collate_fn,
-        batching=batching, workers=workers, loads=loads, output=output, given=given,
+        batching=batching, workers=workers, loads=loads, output=output, arguments=kept,
         seed=_base_seed(a["seed"], a["generator"], topo), topo=topo)
 
 
@@ -300,16 +273,9 @@ T = TypeVar("T")
 
 
 class Option(Generic[T]):
-    """A loader's option as a read-only attribute, read from its config (``path``).
-
-    Options are fixed when the loader is built: its workers, plans and timers were made
-    from them, so a change afterwards would take effect in some places and not in others
-    (``loader.timeout = 5`` on a loader built without one armed the consumer's timer while
-    the workers sent no progress: a slow reader timed out falsely, issue 20).
-    """
-
-    def __init__(self, path: str) -> None:
-        self._path = path.split(".")
+    """A loader's option as a read-only attribute: the argument of its name, as the loader
+    keeps it. Fixed when the loader is built (issue 20: a timeout set afterwards armed the
+    consumer's timer, not the workers' progress reports)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
@@ -322,10 +288,8 @@ class Option(Generic[T]):
     def __get__(self, obj: object | None, owner: type) -> T | Option[T]:
         if obj is None:
             return self
-        value: Any = obj.config  # type: ignore[attr-defined]
-        for part in self._path:
-            value = getattr(value, part)
-        return value  # type: ignore[no-any-return]
+        config: LoaderConfig = obj.config  # type: ignore[attr-defined]
+        return config.arguments[self._name]  # type: ignore[no-any-return]
 
     def __set__(self, obj: object, value: object) -> None:
         raise fixed(self._name, value)

@@ -9,7 +9,8 @@ from typing import Any, Generic, TypeVar, Unpack, overload
 import torch
 
 from ._config import LoaderConfig, Option, build_config, fixed
-from ._signature import LoaderOptions, ReaderOptions, bind, torch_form
+from ._options import LoaderOptions, ReaderOptions
+from ._signature import bind, torch_form
 from ._stats import LoaderStats, stats_to_stderr
 from .pipeline._loads import Retry, SkippedLoad
 from .plane._device import DeviceLike, as_device
@@ -145,44 +146,44 @@ class DataLoader(Generic[T_co]):
 
     __init__.__signature__ = torch_form()  # type: ignore[attr-defined]  # for help()
 
-    # Options, read-only: from the config, as given (numpy ints as ints, aliases resolved).
-    reader: Option[Any] = Option("source")
-    data_path: Option[Any] = Option("data_path")
-    collate_fn: Option[Callable[[list[Any]], Any] | None] = Option("given.collate_fn")
-    batch_size: Option[int | None] = Option("given.batch_size")
-    drop_last: Option[bool] = Option("batching.drop_last")
-    shuffle: Option[bool] = Option("batching.shuffle")
-    batch_sampler: Option[Any] = Option("batching.batch_sampler")
-    batches_per_epoch: Option[int | None] = Option("batching.batches_per_epoch")
-    max_instances_in_memory: Option[int | None] = Option("given.max_instances_in_memory")
-    even_batches: Option[bool] = Option("batching.even_batches")
-    num_workers: Option[int] = Option("workers.num_workers")
-    worker_type: Option[str] = Option("workers.worker_type")
-    start_method: Option[str] = Option("workers.start_method")
-    worker_nice: Option[int] = Option("workers.nice")
-    prefetch: Option[int] = Option("workers.prefetch")
-    fetch_on_loop: Option[bool] = Option("workers.fetch_on_loop")
-    zero_copy: Option[bool] = Option("workers.zero_copy")
-    max_worker_restarts: Option[int] = Option("workers.max_restarts")
-    max_batches_per_worker: Option[int | None] = Option("workers.max_batches")
-    max_worker_rss: Option[int | None] = Option("workers.max_rss")
-    worker_init_fn: Option[Callable[[int], object] | None] = Option("workers.init_fn")
-    persistent_workers: Option[bool] = Option("workers.persistent")
-    quiet: Option[bool | None] = Option("output.quiet")
-    timeout: Option[float | None] = Option("output.timeout")
-    log_every: Option[float | None] = Option("output.log_every")
-    seed: Option[int | None] = Option("given.seed")
-    load_fn: Option[Callable[[Any], Any] | None] = Option("given.load_fn")
-    concurrency: Option[int | None] = Option("given.concurrency")
-    ordered: Option[bool] = Option("given.ordered")
-    retries: Option[int | Retry] = Option("given.retries")
-    on_error: Option[str] = Option("given.on_error")
-    prefetch_factor: Option[int | None] = Option("given.prefetch_factor")
-    generator: Option[torch.Generator | None] = Option("given.generator")
-    in_order: Option[bool] = Option("given.in_order")
-    multiprocessing_context: Option[Any] = Option("given.multiprocessing_context")
-    pin_memory: Option[bool] = Option("given.pin_memory")
-    pin_memory_device: Option[str] = Option("given.pin_memory_device")
+    # Options, read-only: the arguments as the loader keeps them (LoaderConfig.arguments).
+    reader: Option[Any] = Option()
+    data_path: Option[Any] = Option()
+    collate_fn: Option[Callable[[list[Any]], Any] | None] = Option()
+    batch_size: Option[int | None] = Option()
+    drop_last: Option[bool] = Option()
+    shuffle: Option[bool] = Option()
+    batch_sampler: Option[Any] = Option()
+    batches_per_epoch: Option[int | None] = Option()
+    max_instances_in_memory: Option[int | None] = Option()
+    even_batches: Option[bool] = Option()
+    num_workers: Option[int] = Option()
+    worker_type: Option[str] = Option()
+    start_method: Option[str] = Option()
+    worker_nice: Option[int] = Option()
+    prefetch: Option[int] = Option()
+    fetch_on_loop: Option[bool] = Option()
+    zero_copy: Option[bool] = Option()
+    max_worker_restarts: Option[int] = Option()
+    max_batches_per_worker: Option[int | None] = Option()
+    max_worker_rss: Option[int | None] = Option()
+    worker_init_fn: Option[Callable[[int], object] | None] = Option()
+    persistent_workers: Option[bool] = Option()
+    quiet: Option[bool | None] = Option()
+    timeout: Option[float | None] = Option()
+    log_every: Option[float | None] = Option()
+    seed: Option[int | None] = Option()
+    load_fn: Option[Callable[[Any], Any] | None] = Option()
+    concurrency: Option[int | None] = Option()
+    ordered: Option[bool] = Option()
+    retries: Option[int | Retry] = Option()
+    on_error: Option[str] = Option()
+    prefetch_factor: Option[int | None] = Option()
+    generator: Option[torch.Generator | None] = Option()
+    in_order: Option[bool] = Option()
+    multiprocessing_context: Option[Any] = Option()
+    pin_memory: Option[bool] = Option()
+    pin_memory_device: Option[str] = Option()
 
     @property
     def ray_options(self) -> Mapping[str, Any] | None:

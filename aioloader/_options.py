@@ -1,5 +1,6 @@
-"""The checks of the DataLoader's arguments: each one's type and range, then the rules between
-them, before anything is read or started (issue 19). ``_config.build_config`` runs them."""
+"""The DataLoader's options, each declared once (its type, default and check: a row of
+``LoaderOptions``/``ReaderOptions``), then the rules between them; ``_config.build_config``
+runs them before anything is read or started (issue 19)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import operator
 import os
 import reprlib
 import warnings
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Annotated, Any, NamedTuple, TypedDict, get_type_hints
 
 import torch
 
@@ -32,101 +35,40 @@ FULL_NICE = 19  # worker_nice's default where worker processes fill every core (
 
 
 def check_each(kind: Kind, data_path: Any, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Each argument of ``DataLoader(...)`` alone: ``TypeError`` for a wrong type
-    (:class:`ArgumentTypeError`), ``ValueError`` for a wrong value; each message names the
-    argument, what it got and what it takes. Returns them as the loader keeps them: ints as
-    ``int`` (a numpy integer too), torch's ``timeout=0`` and ``shuffle=None`` as ours."""
+    """Each argument alone, by its row: ``TypeError`` (:class:`ArgumentTypeError`) for a
+    wrong type, ``ValueError`` for a wrong value, each message naming the argument, what it
+    got and what it takes. Returns them as the loader keeps them (a numpy integer as an int,
+    torch's ``timeout=0`` and ``shuffle=None`` as ours, ``cuda_device`` as a device)."""
     _dataset_data_path(data_path, kind)
-    a = dict(arguments)
-    a["batch_size"] = _optional_int("batch_size", a["batch_size"], "a positive int or None",
-                                    least=1)
-    _flag("drop_last", a["drop_last"])
-    a["shuffle"] = _shuffle(a["shuffle"])
-    _batch_sampler(a["batch_sampler"])
-    a["batches_per_epoch"] = _optional_int("batches_per_epoch", a["batches_per_epoch"],
-                                           "a positive int or None", least=1)
-    if _int_like(a["num_workers"]) and operator.index(a["num_workers"]) < 0:
-        raise ValueError(f"num_workers option should be non-negative (as torch says); use "
-                         f"num_workers=0 to disable multiprocessing, got {a['num_workers']}")
-    a["num_workers"] = _int("num_workers", a["num_workers"],
-                            "an int >= 0 (0: no worker processes)", least=0)
-    a["max_instances_in_memory"] = _optional_int(
-        "max_instances_in_memory", a["max_instances_in_memory"], "a positive int or None",
-        least=1)
-    _choice("start_method", a["start_method"], START_METHODS)
-    _choice("worker_type", a["worker_type"], WORKER_TYPES)
-    a["ray_options"] = _ray_options(a.get("ray_options"))  # optional: a newer argument
-    a["device"] = _device(a.pop("cuda_device"))
-    if a["quiet"] is not None:
-        _flag("quiet", a["quiet"], "True, False or None")
-    _callable("collate_fn", a["collate_fn"], "a list of samples -> a batch")
-    a["seed"] = _optional_int("seed", a["seed"], "an int or None", least=None)
-    a["timeout"] = _timeout(a["timeout"])
-    a["prefetch"] = _optional_int("prefetch", a["prefetch"], "a positive int or None", least=1)
-    _flag("fetch_on_loop", a.setdefault("fetch_on_loop", False))  # optional: a newer argument
-    _flag("even_batches", a["even_batches"])
-    _flag("zero_copy", a["zero_copy"])
-    a["max_worker_restarts"] = _int("max_worker_restarts", a["max_worker_restarts"],
-                                    "an int >= 0 (0: a dead worker ends the epoch)", least=0)
-    a["max_batches_per_worker"] = _optional_int(
-        "max_batches_per_worker", a["max_batches_per_worker"], "None or an int >= 1", least=1)
-    a["max_worker_rss"] = _optional_int("max_worker_rss", a["max_worker_rss"],
-                                        "None or an int >= 1 (bytes)", least=1)
-    if a["log_every"] is not None:
-        _seconds("log_every", a["log_every"], "a positive number of seconds or None")
-    _callable("load_fn", a["load_fn"], "key -> instance")
-    a["concurrency"] = _optional_int(
-        "concurrency", a["concurrency"], "an int >= 1 (loads in flight per worker) or None",
-        least=1)
-    _flag("ordered", a["ordered"])
-    if not isinstance(a["retries"], Retry):
-        a["retries"] = _int("retries", a["retries"], "an int >= 0 or an aioloader.Retry",
-                            least=0)
-    _choice("on_error", a["on_error"], ("raise", "skip"), '"raise" or "skip"')
-    _sampler(a["sampler"])
-    _callable("worker_init_fn", a["worker_init_fn"], "worker id -> None")
-    _flag("persistent_workers", a["persistent_workers"])
-    a["prefetch_factor"] = _optional_int("prefetch_factor", a["prefetch_factor"],
-                                         "an int >= 1 or None", least=1)
-    generator = a["generator"]
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ArgumentTypeError(f"generator must be a torch.Generator or None, got "
-                                f"{_got(generator)}")
-    _flag("in_order", a["in_order"])
-    _flag("pin_memory", a["pin_memory"])
-    if not isinstance(a["pin_memory_device"], str):
-        raise ArgumentTypeError(f"pin_memory_device must be a str, got "
-                                f"{_got(a['pin_memory_device'])}")
-    return a
+    checked = dict(arguments)
+    for name, argument in ARGUMENTS.items():
+        value = arguments.get(name, argument.default)
+        checked[name] = value if argument.check is None else argument.check(name, value)
+    return checked
 
 
-def check_rules(kind: Kind, data_path: Any, a: dict[str, Any]) -> None:
+def check_rules(kind: Kind, a: dict[str, Any]) -> None:
     """The rules between arguments (``a``: as :func:`check_each` returned them); torch's
     ``multiprocessing_context`` and ``prefetch_factor`` become ``start_method`` and
     ``prefetch`` in ``a``."""
     a["start_method"] = _start_method(a["start_method"], a["multiprocessing_context"],
                                       a["num_workers"])
     a["prefetch"] = _prefetch_of(a["prefetch"], a["prefetch_factor"], a["num_workers"])
-    _torch_samplers(kind, sampler=a["sampler"], shuffle=a["shuffle"],
-                    batch_sampler=a["batch_sampler"])
-    _batching(batch_size=a["batch_size"], drop_last=a["drop_last"], shuffle=a["shuffle"],
-              sampler=a["sampler"], batch_sampler=a["batch_sampler"],
-              max_instances_in_memory=a["max_instances_in_memory"])
+    _torch_samplers(kind, a["sampler"], a["shuffle"], a["batch_sampler"])
+    _batching(a)
     _ray_rules(a["worker_type"], a["ray_options"])
     if a["fetch_on_loop"] and a["num_workers"] > 0:
         raise ValueError(
             f"fetch_on_loop=True runs num_workers=0 fetches on the caller's loop; with "
             f"num_workers={a['num_workers']} the workers fetch. Drop fetch_on_loop, or use "
             "num_workers=0")
-    _process_only(a["worker_type"], max_worker_restarts=a["max_worker_restarts"],
-                  max_batches_per_worker=a["max_batches_per_worker"],
-                  max_worker_rss=a["max_worker_rss"])
+    _process_only(a)
     _worker_number(a["num_workers"], a["worker_type"])
     a["worker_nice"] = validate_worker_nice(a["worker_nice"], num_workers=a["num_workers"],
                                             worker_type=a["worker_type"])
 
 
-def check_load_rules(kind: Kind, loads: LoadOptions | None, a: dict[str, Any]) -> None:
+def check_load_rules(loads: LoadOptions | None, a: dict[str, Any]) -> None:
     """The rules between the load stage (``loads``) and the other arguments."""
     if loads is None or loads.ordered:
         return
@@ -140,12 +82,8 @@ def check_load_rules(kind: Kind, loads: LoadOptions | None, a: dict[str, Any]) -
 
 
 def validate_worker_nice(nice: Any, *, num_workers: int, worker_type: str) -> int:
-    """``worker_nice`` as an int from 0 to 19, for a loader that has worker processes.
-
-    None (the default) is :data:`FULL_NICE` where the worker processes are as many as the
-    cores this process may run on, so that they can keep every core busy and the consumer
-    would wait for one each time it wakes, and 0 otherwise; an explicit 0 stays 0.
-    """
+    """``worker_nice`` as an int from 0 to 19, for a loader that has worker processes; None
+    (the default) as DataLoader's docstring says."""
     if nice is None:
         fills = worker_type == "process" and num_workers >= usable_cores()
         return FULL_NICE if fills else 0
@@ -182,6 +120,16 @@ def usable_cores() -> int:
 
 # ---------------------------------------------------------------- one argument
 
+Check = Callable[[str, Any], Any]
+
+
+class Arg(NamedTuple):
+    """An option's default and its check alone, ``(name, value) -> the value as kept``
+    (None: checked with the others, in :func:`check_rules`)."""
+
+    default: Any
+    check: Check | None = None
+
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 60
@@ -207,81 +155,93 @@ def _int(name: str, value: Any, what: str, *, least: int | None,
     return n
 
 
-def _optional_int(name: str, value: Any, what: str, *, least: int | None) -> int | None:
-    return None if value is None else _int(name, value, what, least=least)
+def _ints(what: str, *, least: int | None = 1) -> Check:
+    return partial(_int, what=what, least=least)
 
 
-def _flag(name: str, value: Any, what: str = "True or False") -> bool:
-    # torch refuses a non-bool drop_last too (BatchSampler), numpy's bool_ included.
-    if not isinstance(value, bool):
-        raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
-    return value
+def _or_none(check: Check) -> Check:
+    def optional(name: str, value: Any) -> Any:
+        return None if value is None else check(name, value)
+    return optional
 
 
-def _shuffle(value: Any) -> bool:
+def _is(what: str, test: type | Callable[[Any], bool]) -> Check:
+    """A check of what a value is (:class:`ArgumentTypeError`): an instance of ``test``, or
+    what the ``test`` predicate accepts."""
+    def check(name: str, value: Any) -> Any:
+        if not (isinstance(value, test) if isinstance(test, type) else test(value)):
+            raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
+        return value
+    return check
+
+
+# torch refuses a non-bool drop_last too (BatchSampler), numpy's bool_ included.
+_FLAG = _is("True or False", bool)
+
+
+def _shuffle(name: str, value: Any) -> bool:
     """torch's ``shuffle``: None is False, and an int counts by its truth (torch tests
     ``if shuffle:``, so ``shuffle=1`` shuffles and ``shuffle=3`` meets its sampler rules)."""
     if value is None:
         return False
     if _int_like(value):
         return bool(operator.index(value))
-    return _flag("shuffle", value, "True, False, None or an int (its truth)")
+    return bool(_is("True, False, None or an int (its truth)", bool)(name, value))
 
 
-def _seconds(name: str, value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+def _num_workers(name: str, value: Any) -> int:
+    if _int_like(value) and operator.index(value) < 0:
+        raise ValueError(f"num_workers option should be non-negative (as torch says); use "
+                         f"num_workers=0 to disable multiprocessing, got {value}")
+    return _int(name, value, "an int >= 0 (0: no worker processes)", least=0)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _seconds(name: str, value: Any, what: str) -> float:
+    if not _real(value):
         raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
     if not float(value) > 0:  # NaN too
         raise ValueError(f"{name} must be {what}, got {_got(value)}")
-
-
-def _timeout(value: Any) -> float | None:
-    """``timeout`` as given (an int or float stays one); torch's ``timeout=0`` is None."""
-    if value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real)
-                         and value == 0):
-        return None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value < 0:
-        raise ValueError(f"timeout option should be non-negative (as torch says): a number of "
-                         f"seconds, or 0 or None for no timeout; got {value}")
-    _seconds("timeout", value, "a positive number of seconds, 0 or None (no timeout)")
     seconds: float = value  # as given: an int stays an int
     return seconds
 
 
-def _callable(name: str, value: Any, signature: str) -> None:
-    if value is not None and not callable(value):
-        raise ArgumentTypeError(f"{name} must be callable ({signature}) or None, got "
-                                f"{_got(value)}")
+def _timeout(name: str, value: Any) -> float | None:
+    """``timeout`` as given (an int or float stays one); torch's ``timeout=0`` is None."""
+    if value is None or (_real(value) and value == 0):
+        return None
+    if _real(value) and value < 0:
+        raise ValueError(f"timeout option should be non-negative (as torch says): a number of "
+                         f"seconds, or 0 or None for no timeout; got {value}")
+    return _seconds(name, value, "a positive number of seconds, 0 or None (no timeout)")
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...], what: str | None = None) -> None:
+def _one_of(choices: tuple[str, ...], what: str | None = None) -> Check:
     what = what or f"one of {', '.join(map(repr, choices))}"
-    if not isinstance(value, str):
-        raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
-    if value not in choices:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise ArgumentTypeError(f"{name} must be {what}, got {_got(value)}")
+        if value not in choices:
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+        return value
+    return check
 
 
 def _iterable(value: Any) -> bool:
     return not isinstance(value, (str, bytes)) and hasattr(value, "__iter__")
 
 
-def _sampler(sampler: Any) -> None:
-    if sampler is not None and not _iterable(sampler):
-        raise ArgumentTypeError(f"sampler must be an iterable of indices (a torch Sampler) "
-                                f"or None, got {_got(sampler)}")
+def _retries(name: str, value: Any) -> int | Retry:
+    if isinstance(value, Retry):
+        return value
+    return _int(name, value, "an int >= 0 or an aioloader.Retry", least=0)
 
 
-def _batch_sampler(batch_sampler: Any) -> None:
-    if batch_sampler is None or isinstance(batch_sampler, BatchSampler):
-        return
-    if not _iterable(batch_sampler):
-        raise ArgumentTypeError(
-            "batch_sampler must be an aioloader.BatchSampler, an iterable of index lists (a "
-            f"torch BatchSampler) or None, got {_got(batch_sampler)}")
-
-
-def _device(cuda_device: Any) -> torch.device | None:
+def _device(name: str, cuda_device: Any) -> torch.device | None:
     what = "an int, a str, a torch.device or None"
     device: DeviceLike | None
     if cuda_device is None or isinstance(cuda_device, (str, torch.device)):
@@ -297,6 +257,24 @@ def _device(cuda_device: Any) -> torch.device | None:
                          f"{exc.__cause__ or exc}") from exc
 
 
+def _ray_options(name: str, options: Any) -> dict[str, Any] | None:
+    """``ray_options``: keyword arguments of each actor's ``.options()`` (``num_cpus``,
+    ``resources``, ``scheduling_strategy``, ``runtime_env``, ...), as a dict of its own."""
+    if options is None:
+        return None
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ArgumentTypeError(
+            "ray_options must be a dict of Ray actor options (such as {'num_cpus': 2, "
+            f"'resources': {{'decode': 1}}}}) or None, got {_got(options)}")
+    reserved = [k for k in options if k in RAY_RESERVED]
+    if reserved:
+        raise ValueError(
+            f"ray_options cannot set {', '.join(reserved)}: aioloader runs each actor's calls "
+            "one at a time, in order, and heals a dead actor itself from the consumer's "
+            "position. Use max_worker_restarts=N for restarts")
+    return dict(options)
+
+
 def _dataset_data_path(data_path: Any, kind: Kind) -> None:
     """A dataset reads no ``data_path``: one given is a mistake, never silently dropped."""
     if kind is not Kind.READER and data_path is not None:
@@ -304,32 +282,111 @@ def _dataset_data_path(data_path: Any, kind: Kind) -> None:
                          "no data_path (only a reader's read(data_path) does): leave it out")
 
 
+_POSITIVE = _or_none(_ints("a positive int or None"))
+
+
+def _function(signature: str) -> Check:
+    return _or_none(_is(f"callable ({signature}) or None", callable))
+
+
+# ---------------------------------------------------------------- every option, once
+# A row per option: its type (what a type checker holds a call to: DataLoader's overloads
+# unpack these), its default and its check. torch's are in the order of torch's signature.
+
+
+class LoaderOptions(TypedDict, total=False):
+    """aioloader's own options, keyword-only in both forms (docs/api.md)."""
+
+    batches_per_epoch: Annotated[int | None, Arg(None, _POSITIVE)]
+    max_instances_in_memory: Annotated[int | None, Arg(None, _POSITIVE)]
+    start_method: Annotated[str, Arg("fork", _one_of(START_METHODS))]
+    worker_type: Annotated[str, Arg("process", _one_of(WORKER_TYPES))]
+    ray_options: Annotated[dict[str, Any] | None, Arg(None, _ray_options)]
+    worker_nice: Annotated[int | None, Arg(None)]  # validate_worker_nice
+    cuda_device: Annotated[DeviceLike | None, Arg(None, _device)]
+    quiet: Annotated[bool | None, Arg(None, _or_none(_is("True, False or None", bool)))]
+    seed: Annotated[int | None, Arg(None, _or_none(_ints("an int or None", least=None)))]
+    prefetch: Annotated[int | None, Arg(None, _POSITIVE)]
+    fetch_on_loop: Annotated[bool, Arg(False, _FLAG)]
+    even_batches: Annotated[bool, Arg(True, _FLAG)]
+    zero_copy: Annotated[bool, Arg(True, _FLAG)]
+    max_worker_restarts: Annotated[int, Arg(0, _ints(
+        "an int >= 0 (0: a dead worker ends the epoch)", least=0))]
+    max_batches_per_worker: Annotated[int | None, Arg(None, _or_none(_ints(
+        "None or an int >= 1")))]
+    max_worker_rss: Annotated[int | None, Arg(None, _or_none(_ints(
+        "None or an int >= 1 (bytes)")))]
+    log_every: Annotated[float | None, Arg(None, _or_none(partial(
+        _seconds, what="a positive number of seconds or None")))]
+    load_fn: Annotated[Callable[[Any], Any] | None, Arg(None, _function("key -> instance"))]
+    concurrency: Annotated[int | None, Arg(None, _or_none(_ints(
+        "an int >= 1 (loads in flight per worker) or None")))]
+    ordered: Annotated[bool, Arg(True, _FLAG)]
+    retries: Annotated[int | Retry, Arg(0, _retries)]
+    on_error: Annotated[str, Arg("raise", _one_of(("raise", "skip"), '"raise" or "skip"'))]
+
+
+class ReaderOptions(LoaderOptions, total=False):
+    """A reader's keywords: torch's arguments by name, and aioloader's own."""
+
+    batch_size: Annotated[int | None, Arg(1, _POSITIVE)]
+    shuffle: Annotated[bool | None, Arg(None, _shuffle)]
+    sampler: Annotated[Any, Arg(None, _or_none(_is(
+        "an iterable of indices (a torch Sampler) or None", _iterable)))]
+    batch_sampler: Annotated[Any, Arg(None, _or_none(_is(
+        "an aioloader.BatchSampler, an iterable of index lists (a torch BatchSampler) or None",
+        lambda value: isinstance(value, BatchSampler) or _iterable(value))))]
+    num_workers: Annotated[int, Arg(0, _num_workers)]
+    collate_fn: Annotated[Callable[[list[Any]], Any] | None, Arg(None, _function(
+        "a list of samples -> a batch"))]
+    pin_memory: Annotated[bool, Arg(False, _FLAG)]
+    drop_last: Annotated[bool, Arg(False, _FLAG)]
+    timeout: Annotated[float | None, Arg(0, _timeout)]
+    worker_init_fn: Annotated[Callable[[int], object] | None, Arg(None, _function(
+        "worker id -> None"))]
+    multiprocessing_context: Annotated[Any, Arg(None)]  # _start_method
+    generator: Annotated[torch.Generator | None, Arg(None, _or_none(_is(
+        "a torch.Generator or None", torch.Generator)))]
+    # torch's keyword-only ones; persistent_workers: torch's False for a dataset, a reader's
+    # workers stay (True)
+    prefetch_factor: Annotated[int | None, Arg(None, _or_none(_ints("an int >= 1 or None")))]
+    persistent_workers: Annotated[bool, Arg(None, _FLAG)]
+    pin_memory_device: Annotated[str, Arg("", _is("a str", str))]
+    in_order: Annotated[bool, Arg(True, _FLAG)]
+
+
+# Every row, in the signature's order (torch's arguments first), which is the order checked.
+ARGUMENTS: dict[str, Arg] = {
+    name: hint.__metadata__[0]
+    for name, hint in sorted(get_type_hints(ReaderOptions, include_extras=True).items(),
+                             key=lambda row: row[0] in LoaderOptions.__optional_keys__)}
+
+
 # ---------------------------------------------------------------- between arguments
 
 
-def _batching(*, batch_size: int | None, drop_last: bool, shuffle: bool, sampler: Any,
-              batch_sampler: Any, max_instances_in_memory: int | None) -> None:
+def _batching(a: dict[str, Any]) -> None:
     """The rules torch's DataLoader and AllenNLP's MultiProcessDataLoader share."""
-    if batch_sampler is not None:
-        if batch_size != 1 or drop_last or shuffle or sampler is not None:
-            given = [f"{name}={value!r}" for name, value, unset in (
-                ("batch_size", batch_size, 1), ("drop_last", drop_last, False),
-                ("shuffle", shuffle, False), ("sampler", sampler, None)) if value != unset]
+    batch_size, max_in_memory = a["batch_size"], a["max_instances_in_memory"]
+    if a["batch_sampler"] is not None:
+        if batch_size != 1 or a["drop_last"] or a["shuffle"] or a["sampler"] is not None:
+            given = [f"{name}={a[name]!r}" for name, unset in (
+                ("batch_size", 1), ("drop_last", False), ("shuffle", False), ("sampler", None))
+                if a[name] != unset]
             raise ValueError(
                 "batch_sampler option is mutually exclusive with batch_size, shuffle, "
                 f"sampler, and drop_last (as in torch): got {', '.join(given)}. The batch "
                 "sampler decides how instances are batched; leave those at their defaults")
-    elif batch_size is None and drop_last:
+    elif batch_size is None and a["drop_last"]:
         raise ValueError("batch_size=None option disables auto-batching and is mutually "
                          "exclusive with drop_last (as in torch): there is no last batch to "
                          "drop; give a batch_size, or drop_last=False")
-    if (max_instances_in_memory is not None and batch_size is not None
-            and max_instances_in_memory < batch_size):
-        raise ValueError(f"max_instances_in_memory ({max_instances_in_memory}) must be at "
-                         f"least batch_size ({batch_size})")
+    if max_in_memory is not None and batch_size is not None and max_in_memory < batch_size:
+        raise ValueError(f"max_instances_in_memory ({max_in_memory}) must be at least "
+                         f"batch_size ({batch_size})")
 
 
-def _torch_samplers(kind: Kind, *, sampler: Any, shuffle: bool, batch_sampler: Any) -> None:
+def _torch_samplers(kind: Kind, sampler: Any, shuffle: bool, batch_sampler: Any) -> None:
     """torch's rules for ``sampler``, and what a reader can use."""
     if sampler is not None:
         if shuffle:
@@ -392,33 +449,16 @@ def _prefetch_of(prefetch: int | None, prefetch_factor: int | None, num_workers:
     return prefetch_factor
 
 
-def _process_only(worker_type: str, **options: int | None) -> None:
-    if worker_type == "thread":
-        given = [f"{name}={value!r}" for name, value in options.items() if value]
+def _process_only(a: dict[str, Any]) -> None:
+    if a["worker_type"] == "thread":
+        given = [f"{name}={a[name]!r}" for name in (
+            "max_worker_restarts", "max_batches_per_worker", "max_worker_rss") if a[name]]
         if given:
             raise ValueError(
                 f"{', '.join(given)} cannot be used with worker_type='thread': threads share "
                 "this process's memory (no resident size of their own to watch) and cannot "
                 "be killed, so they are never restarted or recycled. Use "
                 "worker_type='process' for that")
-
-
-def _ray_options(options: Any) -> dict[str, Any] | None:
-    """``ray_options``: keyword arguments of each actor's ``.options()`` (``num_cpus``,
-    ``resources``, ``scheduling_strategy``, ``runtime_env``, ...), as a dict of its own."""
-    if options is None:
-        return None
-    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
-        raise ArgumentTypeError(
-            "ray_options must be a dict of Ray actor options (such as {'num_cpus': 2, "
-            f"'resources': {{'decode': 1}}}}) or None, got {_got(options)}")
-    reserved = [k for k in options if k in RAY_RESERVED]
-    if reserved:
-        raise ValueError(
-            f"ray_options cannot set {', '.join(reserved)}: aioloader runs each actor's calls "
-            "one at a time, in order, and heals a dead actor itself from the consumer's "
-            "position. Use max_worker_restarts=N for restarts")
-    return dict(options)
 
 
 def _ray_rules(worker_type: str, ray_options: dict[str, Any] | None) -> None:

@@ -80,7 +80,7 @@ def test_torch_aliases_are_resolved_in_the_config() -> None:
     assert isinstance(sampler, torch.utils.data.BatchSampler)
     assert (sampler.batch_size, sampler.drop_last) == (2, False)
     # The base seed is drawn from the generator when the first epoch starts (Run.seed).
-    assert config.seed is None and config.given.generator is generator
+    assert config.seed is None and config.arguments["generator"] is generator
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.seed = 1  # type: ignore[misc]
 

@@ -39,7 +39,7 @@ def point_of(config: LoaderConfig, setup: Setup,
     c = config
     states = [state] if isinstance(state, Mapping) or not isinstance(
         state, Sequence) or not state else list(state)
-    points = [read_state(s, c.fingerprint(), seed=c.given.seed, stream=c.lazy)
+    points = [read_state(s, c.fingerprint(), seed=c.arguments["seed"], stream=c.lazy)
               for s in states]
     return choose(points, rank=c.topo.rank, world_size=c.topo.world_size,
                   shards=c.shape_shards, refusal=setup.reshape_refusal(),

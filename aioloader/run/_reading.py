@@ -45,7 +45,7 @@ class Reading:
             return c.batching.batches_per_epoch
         if c.kind is Kind.MAP:
             return self._setup().count(c.source)
-        if c.kind is Kind.ITERABLE and c.lazy and c.given.max_instances_in_memory is None:
+        if c.kind is Kind.ITERABLE and c.lazy and c.arguments["max_instances_in_memory"] is None:
             # torch keeps the dataset's own len() and warns when more batches than that
             # have come: its comparison, kept as it is.
             # In batches (a TypeError where it has none), as if one process read it all.

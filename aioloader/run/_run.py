@@ -128,7 +128,7 @@ class Run:
     @property
     def seed(self) -> int:
         if self._seed is None:
-            self._seed = draw_seed(self.config.given.generator)
+            self._seed = draw_seed(self.config.arguments["generator"])
         return self._seed
 
     @property
