@@ -1,8 +1,4 @@
-"""The parent's end of one process (or thread) worker: its socket, its ledger, its start.
-
-What goes through the socket, both ways, and how a worker's exception comes back as the
-consumer's; the supervisor (aioloader/workers/_supervisor.py) decides when.
-"""
+"""The parent's end of one process (or thread) worker: its socket, its ledger, its start."""
 
 from __future__ import annotations
 
@@ -10,7 +6,7 @@ import collections
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import TypeAlias, overload
+from typing import TypeAlias
 
 from .._errors import BatchFailure, WorkerError
 from ..plane import _wire as wire
@@ -97,16 +93,8 @@ class Link:
 Worker: TypeAlias = WorkerState[Link]
 
 
-@overload
-def worker_error(w: Worker, msg: wire.Failed) -> WorkerError: ...
-@overload
-def worker_error(w: Worker, msg: wire.BatchFailed) -> BatchFailure: ...
 def worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
-    """The worker's exception as the consumer sees it: a WorkerError that is also of the
-    original's type where possible (``except KeyError:`` still works, as with torch), the
-    worker's traceback in its message, the original as its ``__cause__`` (a thread
-    worker's by reference, so even one that does not pickle). One batch's error comes as
-    that batch's :class:`BatchFailure`."""
+    """:func:`told_error`, a thread worker's original taken from its shelf."""
     original: object = None
     ledger = w.link.ledger
     if isinstance(ledger, RefLedger):

@@ -1,9 +1,5 @@
-"""Producers that work in this process (``num_workers=0``): the pipeline, iterated here.
-
-What a worker does with its wire, these do with :mod:`aioloader.pipeline._pipeline` directly: no
-workers to start or reap, and blocking work (a sync source, fetching, collating) in one
-helper thread of their own.
-"""
+"""Producers that work in this process (``num_workers=0``): the pipeline, iterated here, its
+blocking work (a sync source, fetching, collating) in one helper thread of their own."""
 
 from __future__ import annotations
 
@@ -56,9 +52,6 @@ class _InProcess:
     and faults in again: 250-1100 page faults a batch) and its own OpenMP team (issue 9;
     image batches 0.57x -> 1.02x torch's num_workers=0).
 
-    A pass is one iterator of the pipeline (``_work``) and, with a load stage, one stage
-    entered on this loop (its sessions live here) for that pass.
-
     Where user code runs (issue 33): on a user's loop, in the thread, unless the user asked
     for the loop (``fetch_on_loop=True``: ``on_loop``); on the sync adapter's own loop,
     inline, as torch's ``num_workers=0`` does; with a ``timeout``, always in the thread (the
@@ -69,29 +62,27 @@ class _InProcess:
                  on_loop: bool = False) -> None:
         self.pipe = pipe
         self.activity = Activity()
-        # Signs of life matter only to a timeout: without one, no clock read per instance.
-        self.timed = timed
+        self.timed = timed  # without a timeout, no clock read per instance
         self.touch: Callable[[], None] | None = self.activity.touch if timed else None
         self.private = False  # the loop is the sync adapter's own: blocking it is fine
         self.on_loop = on_loop  # fetch_on_loop=True: the user let fetches block the loop
         self._skips = skips if skips is not None else SkipLog()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # its helper
-        # Whether the consumer waits for the fetch in progress: only then does the helper
-        # copy (``_stacking.copy_helper``). Batches ahead run while the consumer's step
-        # may hold every core, and a chunk the idle-priority helper began then waits for
-        # that step to end.
+        # Only while the consumer waits for the fetch does the helper copy: batches ahead run
+        # while the consumer's step may hold every core, and a chunk the idle-priority helper
+        # began would wait for that step to end.
         self.waiting = ConsumerWaits(now=True)
         self.reuse = True  # until a batch shows it has no large tensor
-        self._work: Work | None = None
-        self._stage: LoadStage | None = None
+        self._work: Work | None = None  # the pass's iterator
+        self._stage: LoadStage | None = None  # the pass's load stage, entered on this loop
 
     async def start(self) -> None:
         pass
 
     async def next(self) -> Delivered | PassDone:
-        """The next batch (or chunk) or pass end; what the source skips itself is reported
-        to the loader's skip log meanwhile (``_loads.report_skipped``)."""
+        """The next batch (or chunk) or pass end; what the source skips itself goes to the
+        loader's skip log meanwhile."""
         token = SKIP_REPORT.set(self._skips.add)
         try:
             return await self._next()
@@ -101,7 +92,7 @@ class _InProcess:
     _next: Callable[[], Awaitable[Delivered | PassDone]]  # the producer's own step
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """``fn(*args)`` queued to the fetch thread (started on first use)."""
+        """``fn(*args)`` queued to the fetch thread."""
         if self._thread is None:
             self._copier = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="aioloader-copy", initializer=_copy_thread)
@@ -119,7 +110,6 @@ class _InProcess:
         return (self.private or self.on_loop) and not self.timed
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` here when :attr:`inline`, else in the thread."""
         if self.inline:
             return fn(*args)
         return await self.offload(fn, *args)
@@ -135,8 +125,7 @@ class _InProcess:
             return self.pipe.collate(items, indices)
 
     def delivered(self, batch: Any, mark: Any = None) -> Delivered:
-        """``batch`` to hand over; its size decides whether the next is built in reused
-        memory."""
+        """``batch``; its size decides whether the next is built in reused memory."""
         nbytes = tensors_nbytes(batch)
         self.reuse = nbytes >= MIN_BYTES
         return Delivered(batch, mark=mark, nbytes=nbytes)
@@ -161,16 +150,13 @@ class _InProcess:
         self.private = False
 
     def heal(self, silence: float) -> bool:
-        """Nothing to kill in this process: a silent fetch times out."""
-        return False
+        return False  # nothing to kill in this process: a silent fetch times out
 
     def behind(self) -> str:
-        """What a timeout waited for: a stream's reader, or a map-style dataset."""
         what = "dataset" if self.pipe.kind is Kind.MAP else "reader"
         return f"the {what} in this process (num_workers=0)"
 
     async def enter_stage(self) -> LoadStage | None:
-        """The pass's load stage, entered on this loop (None: the source has none)."""
         made = self.pipe.stage(None, self._skips.add)
         if made is not None:
             self._stage = await made.__aenter__()
@@ -187,12 +173,17 @@ class _InProcess:
         if stage is not None:
             await stage.__aexit__(None, None, None)
 
+    def _stop(self) -> None:
+        """What a producer drops on either close."""
+
     async def aclose(self, grace: float) -> None:
+        self._stop()
         await self.end_pass()
         self.stop_thread()
 
     def close(self, grace: float) -> None:
         """No loop to wait on here: cancelling is what is left."""
+        self._stop()
         work, self._work = self._work, None
         if isinstance(work, InOrder):
             work.abandon()
@@ -235,14 +226,10 @@ def _close_sync(it: Iterator[Any] | None) -> None:
 class LocalIndex(_InProcess):
     """Index batches of a map-style source, fetched and collated in this process.
 
-    On the sync adapter's private loop the work runs inline (as torch's ``num_workers=0``
-    does); on a user's loop it runs in the thread, so the loop never runs user code unless
-    ``fetch_on_loop=True`` asked for it. In the thread, fetches run ``ahead`` batches in
-    front of the consumer (``prefetch``): a batch is usually built while the consumer
-    works on the last one, so the thread hop (two thread wake-ups, 80-100 us on the 2-core
-    machine) is not waited for. With a load stage, the loads of the next ``ahead`` batches
-    overlap on this loop (the stage's gate bounds them), and batches come in the plan's
-    order.
+    In the thread, fetches run ``ahead`` batches (``prefetch``) in front of the consumer: a
+    batch is usually built while the consumer works on the last one, so the thread hop (two
+    wake-ups, 80-100 us on the 2-core machine) is not waited for. With a load stage, the
+    loads of the next ``ahead`` batches overlap on this loop, and batches come in order.
     """
 
     def __init__(self, dataset: Any, plan: Plan, first_pass: int,
@@ -306,8 +293,9 @@ class LocalIndex(_InProcess):
         queue.popleft()
         return self.delivered(batch)
 
-    def _drop_queue(self) -> None:
+    def _stop(self) -> None:
         """Fetches not started are cancelled; one running ends on its own."""
+        self._plans.close()
         queue, self._queue = self._queue, collections.deque()
         for step in queue:
             if not isinstance(step, PassDone):
@@ -341,16 +329,6 @@ class LocalIndex(_InProcess):
             yield step
         self._ended = step
 
-    async def aclose(self, grace: float) -> None:
-        self._plans.close()
-        self._drop_queue()
-        await super().aclose(grace)
-
-    def close(self, grace: float) -> None:
-        self._plans.close()
-        self._drop_queue()
-        super().close(grace)
-
 
 class LocalStream(_InProcess):
     """Passes over a reader or IterableDataset, batched and collated in this process.
@@ -368,8 +346,8 @@ class LocalStream(_InProcess):
                                   rank=rank, world_size=world_size), timed=timed, skips=skips)
         self._shard = ShardTracker(start)
         self._produced = produced
-        self._passes: Unhooked[Event[Delivered | BatchFailure]] = unhooked(
-            passes(start, self._pass, seed_for))
+        self._passes: Unhooked[Event[Delivered | BatchFailure]] = unhooked(passes(
+            start, lambda start, seed: unhooked(self._built(start, seed)), seed_for))
 
     def position(self) -> StreamPosition:
         return StreamPosition((self._shard.position,), 0, (0,), self._produced)
@@ -389,15 +367,10 @@ class LocalStream(_InProcess):
         self._produced = 0
         return done
 
-    def _pass(self, start: ShardPosition,
-              seed: int) -> Unhooked[Delivered | BatchFailure | Boundary]:
-        return unhooked(self._built(start, seed))
-
     async def _built(self, start: ShardPosition,
                      seed: int) -> AsyncIterator[Delivered | BatchFailure | Boundary]:
-        """One pass's batches, collated (a sync source's read and collated in the thread,
-        one hop a batch), inside the pass's load stage; no boundaries (nothing retires
-        here). A batch whose making raised comes as its :class:`BatchFailure`."""
+        """One pass's batches, collated (a sync source's in the thread, one hop a batch),
+        inside its load stage; no boundaries (nothing retires here)."""
         stage = await self.enter_stage()
         self._work = steps = self.pipe.batches(start, seed, stage, touch=self.touch,
                                                offload=self.offload)
@@ -423,8 +396,8 @@ class LocalStream(_InProcess):
         return None
 
     def _made(self, batch: Batch) -> tuple[Any, Any] | BatchFailure:
-        """``batch`` collated, with its mark; or its failure (the source's error, or the
-        collate's), and the pass goes on, as torch's iterator does (issue 32)."""
+        """``batch`` collated, with its mark; or its failure (the source's or the collate's),
+        and the pass goes on, as torch's iterator does (issue 32)."""
         if batch.error is not None:
             return BatchFailure(-1, batch.error, batch.mark)
         try:

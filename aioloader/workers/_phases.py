@@ -1,14 +1,9 @@
 """A worker's phases: the supervisor's bookkeeping as pure, synchronous transitions.
 
-Each worker is one :class:`WorkerState` whose lifecycle is one :class:`Phase`. A
-:class:`Roster` holds a supervisor's workers and changes their phases on events (a wire
-message, an exit, a consumer's request, a switch or restart done) and answers with what to do:
-an action, a small frozen dataclass (:class:`StartSuccessor`, :class:`Switch`, :class:`Raise`,
-:class:`Deliver`, :class:`EndPass`, :class:`EndRewind`, :class:`Wait`, :class:`CountDeath`).
-The supervisor (aioloader/workers/_supervisor.py) executes the actions and does all the
-awaiting and I/O around them, as httpcore's connection pool does. Nothing here touches a
-socket, a process or a loop, so every transition is tested in-process
-(tests/test_supervisor_unit.py)::
+A :class:`Roster` holds a supervisor's workers (one :class:`WorkerState`, in one
+:class:`Phase`, each), changes their phases on events and answers with an action to take; the
+supervisor does the awaiting and I/O around them, as httpcore's connection pool does. Nothing
+here touches a socket, a process or a loop (tests/test_supervisor_unit.py)::
 
     STARTING ──started──> RUNNING ──Retiring──> RETIRING ──hand-over──> HANDED_OVER
                              │  └──Failed──> FAILED ──exit──> EXITED       │ drained:
@@ -16,9 +11,8 @@ socket, a process or a loop, so every transition is tested in-process
                                         (budget spent: EXITED)   ▼         ▼
                               close (any phase) ──────────────> RETIRED ──reaped──> REAPED
 
-A worker's link (its socket, ledger, process) is the supervisor's: ``WorkerState`` carries it
-as ``link`` without looking at it. The pipe's EOF is a fact of the link, not a phase: it
-can come before the process's exit is seen or after (what the exit means is the phase's).
+A worker's ``link`` (socket, ledger, process) is the supervisor's: the Roster never looks at
+it. The pipe's EOF is the link's, not a phase: it can come before the exit is seen or after.
 """
 
 from __future__ import annotations
@@ -58,7 +52,7 @@ class RestartBudget:
         return len(self.deaths) < self.limit
 
     def healing(self, died: WorkerDied) -> None:
-        """``died`` (spent earlier) is being healed: a restart, counted by its kind."""
+        """``died`` (spent earlier) is healed by a restart."""
         self.restarts += 1
         self.healed[died.kind] = self.healed.get(died.kind, 0) + 1
 
@@ -76,7 +70,6 @@ class RestartBudget:
 
 
 class Phase(enum.Enum):
-    """Where one worker is in its life (see the module docstring)."""
 
     STARTING = "starting"  # its start is submitted to the starter thread; not in place yet
     RUNNING = "running"
@@ -102,7 +95,7 @@ L = TypeVar("L")
 
 @dataclass(eq=False)
 class WorkerState(Generic[L]):
-    """The parent's view of one worker: its phase, what it sent, what it owes, telemetry."""
+    """The parent's view of one worker."""
 
     id: int
     link: L  # the supervisor's: socket, ledger, process
@@ -127,7 +120,6 @@ class WorkerState(Generic[L]):
                 and self.retiring is not None)
 
     def took(self, msg: wire.Batch) -> None:
-        """The consumer took batch ``msg``."""
         self.sent.pop(msg.seq, None)
         self.batches += 1
         self.busy = msg.busy
@@ -181,14 +173,6 @@ class EndRewind:
 @dataclass(frozen=True, slots=True)
 class Wait:
     """Nothing to hand over yet: wait for the next event."""
-
-
-@dataclass(frozen=True, slots=True)
-class CountDeath:
-    """Worker ``worker_id`` died without a word: find its exit code, then
-    :meth:`Roster.on_death`."""
-
-    worker_id: int
 
 
 Action: TypeAlias = Raise | Deliver | EndPass | EndRewind | StartSuccessor | Switch | Wait
@@ -258,14 +242,15 @@ class Roster(Generic[L]):
         w.successor = new
         new.rewinding = w.rewinding
 
-    def on_exit(self, w: WorkerState[L]) -> CountDeath | None:
-        """``w``'s process ended (what it sent before is read): a death to count, or none
-        where it failed first, or the session failed or closed."""
+    def on_exit(self, w: WorkerState[L]) -> bool:
+        """``w``'s process ended (what it sent before is read). True: a death without a
+        word, to count (find its exit code, then :meth:`on_death`); not where it failed
+        first, or the session failed or closed."""
         if w.phase not in ALIVE:
-            return None
+            return False
         death = self.failure is None and w.phase is not Phase.FAILED and not self.closed
         w.phase = Phase.EXITED
-        return CountDeath(w.id) if death else None
+        return death
 
     def on_death(self, w: WorkerState[L], died: WorkerDied) -> None:
         """Spend a death on ``died``: ``w`` is lost (a restart heals it), or the run fails."""
@@ -280,7 +265,7 @@ class Roster(Generic[L]):
 
     def request(self, worker_id: int, seq: int, indices: list[int]) -> bool:
         """The consumer asks worker ``worker_id`` for batch ``seq``: True to send it now.
-        A worker handed over answers no more: its successor gets every task it did not
+        A worker handed over answers no more: its successor gets the tasks it did not
         answer, in order, when it takes over."""
         w = self.workers[worker_id]
         w.sent[seq] = indices
@@ -288,9 +273,8 @@ class Roster(Generic[L]):
 
     def rewind(self, worker_id: int, pass_no: int) -> list[WorkerState[L]]:
         """The consumer asks worker ``worker_id``'s stream for pass ``pass_no`` from its start
-        (:class:`EndRewind` once it is answered): the processes to ask. A retiring worker
-        answers no more, so its successor is asked too, now if it is started, else as it
-        starts (:meth:`add_successor`): each successor asked before its first batch, none
+        (:class:`EndRewind` once answered): the workers to ask. A retiring one's successor is
+        asked too, now or as it starts (:meth:`add_successor`), before its first batch: none
         retires in the pass dropped, and the chain of hand-overs ends."""
         w = self.workers[worker_id]
         asked = [w] if w.successor is None else [w, w.successor]
@@ -333,8 +317,8 @@ class Roster(Generic[L]):
         return Wait()
 
     def switched(self, worker_id: int) -> StartSuccessor | None:
-        """Worker ``worker_id``'s successor is up: it takes the retiring one's place (and
-        the tasks it did not answer, in order); the next hand-over that waited may start."""
+        """Worker ``worker_id``'s successor is up and takes its place (and the tasks it did
+        not answer); the next hand-over that waited may start."""
         old = self.workers[worker_id]
         new = old.successor
         assert new is not None
@@ -352,8 +336,8 @@ class Roster(Generic[L]):
 
     def restart(self, worker_id: int,
                 new: WorkerState[L]) -> tuple[WorkerDied, list[WorkerState[L]]]:
-        """Worker ``worker_id`` (LOST) is replaced by ``new``, with the same shard and seeds:
-        how the old one died, and the workers whose links to close (:meth:`retire`)."""
+        """Worker ``worker_id`` (LOST) is replaced by ``new``: how the old one died, and the
+        workers whose links to close (:meth:`retire`)."""
         old = self.workers[worker_id]
         assert old.phase is Phase.LOST and old.died is not None, \
             f"worker {worker_id} is not lost"
@@ -362,9 +346,9 @@ class Roster(Generic[L]):
         return old.died, self.retire(old)
 
     def hung(self, worker_id: int, silence: float, now: float) -> WorkerState[L] | None:
-        """The consumer waits for worker ``worker_id``, and nothing at all was heard for
-        ``silence`` seconds: the worker to kill and replace, if it is running, silent that
-        long itself, and the budget can heal one more death. None: the wait times out."""
+        """Nothing was heard for ``silence`` seconds while the consumer waits for worker
+        ``worker_id``: the worker to kill and replace, if it runs, was that silent itself and
+        the budget heals one more death. None: the wait times out."""
         w = self.workers[worker_id]
         if (self.closed or self.failure is not None or not self.budget.room
                 or w.phase not in (Phase.RUNNING, Phase.RETIRING, Phase.HANDED_OVER)
@@ -374,8 +358,7 @@ class Roster(Generic[L]):
         return w
 
     def retire(self, w: WorkerState[L]) -> list[WorkerState[L]]:
-        """Let ``w`` go, and its successor with it (it was retiring when it died): the
-        workers whose links to close."""
+        """Let ``w`` go, with its successor: the workers whose links to close."""
         gone = [w]
         while (after := gone[-1].successor) is not None:
             gone[-1].successor = None

@@ -1,21 +1,8 @@
-"""Starting worker processes: the starter thread, parent sockets, the stop schedule.
+"""Worker processes: the starter thread, parent sockets, the stop schedule.
 
-What makes or ends a worker process lives here, below the supervisor, which only says
-what to start and when; spawn's standbys are aioloader/workers/_standby.py's, and pickling a
-spec as spawn sends it aioloader/workers/_pickling.py's:
-
-* **The starter thread** (:data:`STARTER`). Processes start from one long-lived thread:
-  starting can block (spawn writes the pickled spec into a pipe the child reads only once
-  Python is up), and the thread that forks a child is the "parent" ``PR_SET_PDEATHSIG``
-  watches, so it must outlive the workers. A :class:`Launch` is one worker's start there.
-  One a process: a forked child (a user's ``multiprocessing.Process``) starts its own.
-* **Parent sockets.** The parent's end of every live worker's socket is registered
-  (:func:`socket_pair`); a process forked later (another worker) closes them at once, or a
-  worker would never see EOF when its parent closes or dies.
-* **Forkserver warm-up** (:func:`warm_forkserver`, :func:`preload_modules`): a server
-  started when a loader is made, so its imports overlap the script's own set-up.
-* **The stop schedule** (:func:`stop_processes`): EOF, ``grace``, SIGTERM, :data:`KILL_AFTER`,
-  SIGKILL, for every process of a session at once, starts in flight included (issue 19).
+What makes or ends a worker process lives here, below the supervisor, which only says what to
+start and when; spawn's standbys are ``_standby``'s, pickling a spec as spawn sends it
+``_pickling``'s.
 """
 
 from __future__ import annotations
@@ -46,11 +33,12 @@ T = TypeVar("T")
 
 
 class _Starter:
-    """The starter thread (one a process, started on first use) as an executor.
+    """The starter thread as an executor: processes start from one long-lived thread, as
+    starting can block (spawn writes the spec into a pipe the child reads once it is up), and
+    the forking thread is the "parent" ``PR_SET_PDEATHSIG`` watches.
 
-    A forked child has none of its parent's threads, but would inherit an executor that
-    believes its thread idle and queues every call for it: the first loader a child made
-    after its parent had used one waited forever for its workers. A child starts its own.
+    One a process: a forked child would inherit an executor that believes its thread idle
+    and queues every call for it (its first loader waited forever for its workers).
     """
 
     def __init__(self) -> None:
@@ -74,8 +62,6 @@ STARTER = _Starter()
 
 EXIT_GRACE = 1.0  # seconds a process told to go (EOF) gets before SIGTERM, where no one says
 KILL_AFTER = 1.0  # seconds from SIGTERM to SIGKILL (a thread: to giving up on it)
-
-# What a worker's spec carries of the user's: it must pickle for spawn and forkserver.
 
 # Parent-side sockets of every live worker and standby. A process forked later (another
 # worker) must not hold them open, or a worker would never see EOF when its parent closes or
@@ -103,7 +89,7 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def close_parent(sock: socket.socket) -> None:
-    """Close the parent's end of a socket pair: EOF, the child's signal to go."""
+    """EOF: the child's signal to go."""
     _PARENT_SOCKS.discard(sock)
     sock.close()
 
@@ -212,16 +198,13 @@ def start_launch(launch: Launch, child: socket.socket) -> None:
 
 def stop_processes(processes: Sequence[Handle], grace: float,
                    starts: Starts | None = None) -> None:
-    """Stop ``processes`` (started, and told to go: EOF) on one schedule, measured from
-    now: ``grace`` seconds to exit, then terminate, KILL_AFTER seconds later kill (a thread:
-    cancel it, then stop waiting); join and close each.
+    """Stop ``processes`` (told to go: EOF) on one schedule from now: ``grace`` seconds to
+    exit, then terminate, KILL_AFTER seconds later kill; join and close each.
 
-    ``starts``: starts in flight, each future mapped to what gives its process once it is
-    done (None: nothing started). A process that starts meanwhile joins the schedule where
-    it then is (past the deadline to terminate: terminated at once), and every wait runs to
-    the same deadline, so nothing adds up per worker or per start (issue 19: a stop must be
-    prompt under load). Only a start that outlasts the whole schedule is waited for, and
-    its process killed the moment it exists.
+    ``starts``: starts in flight, and what gives each one's process (None: none). A process
+    that starts meanwhile joins the schedule where it then is, and every wait runs to the
+    same deadline, so nothing adds up per worker or per start (issue 19: a stop must be
+    prompt under load). Only a start that outlasts the whole schedule is waited for.
     """
     started: list[Handle] = list(processes)
     waiting: Starts = dict(starts or {})
@@ -265,13 +248,8 @@ def _take_started(waiting: Starts, started: list[Handle], taken: list[str],
 # ---------------------------------------------------------------------- forkserver
 
 def warm_forkserver(source: Any) -> None:
-    """Start multiprocessing's forkserver now, in the background, preloaded for ``source``.
-
-    Called when a loader with ``start_method="forkserver"`` is made: the server imports
-    torch, aioloader and the dataset's module while the user's script goes on setting up,
-    so the first epoch forks its workers from a warm server. The server is the process's
-    one forkserver (multiprocessing's), kept until the process exits, as after any epoch.
-    """
+    """Start multiprocessing's forkserver now, in the background, preloaded for ``source``:
+    its imports overlap the script's own set-up, and the first epoch forks from it warm."""
     def start() -> None:
         import multiprocessing.forkserver
 
@@ -284,11 +262,9 @@ def warm_forkserver(source: Any) -> None:
 
 
 def preload_modules(source: Any) -> list[str]:
-    """What a forkserver imports once, before it forks any worker: the main module (the
-    multiprocessing default this list replaces), torch and aioloader, and the module of the
-    source's class. Each worker then forks from it warm instead of importing them itself
-    (0.7-0.9 s a worker measured here, issue 13). Only the server's first start reads it;
-    a module that fails to import is skipped there. Spawn standbys import the same list."""
+    """What a forkserver (or a spawn standby) imports before it forks any worker: the main
+    module, torch and aioloader, and the module of the source's class (0.7-0.9 s a worker
+    saved here, issue 13). A module that fails to import is skipped there."""
     modules = ["__main__", "aioloader.workers._worker"]
     home = getattr(type(source), "__module__", None)
     if isinstance(home, str) and home not in ("__main__", "builtins"):

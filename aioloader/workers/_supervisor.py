@@ -1,26 +1,18 @@
-"""The process transport: owns the worker processes (or threads) of one session.
+"""The process transport: the worker processes (or threads) of one session.
 
-The parent side of every worker is one non-blocking socket whose fd the running event loop
-watches with ``add_reader``, plus the process sentinel, watched the same way, so that a
-worker that dies without a word is noticed at once. No polling: the loop wakes on bytes, on
-EOF and on process exit. Readers are attached only while an epoch runs, so a session can
-outlive one event loop and serve the next.
-
-Decide, then await: which phase each worker is in and what a message, an exit or a
-consumer's request leads to is the :class:`~aioloader.workers._phases.Roster`'s, pure and
-synchronous; the consumer's side of it (receive, heal, restart) is
-:class:`~aioloader.workers._supervising.Supervising`'s, shared with Ray's actors. This module
-is the transport under them: sockets, sentinels, arenas. Starting and stopping processes is
-aioloader/workers/_starting.py's. Batches come through each worker's
-:class:`~aioloader.plane._dataplane.SlotLedger`; the supervisor has no batch logic of its own.
-Thread workers (``_threads.ThreadWorker``) go through the same paths: a handle that looks
-like a process, a socket, and a ledger of batches by reference.
+The running loop watches each worker's socket and its process sentinel (``add_reader``), so
+a worker that dies without a word is noticed at once, and nothing polls. They are watched
+only while an epoch runs, so a session can outlive one event loop and serve the next. The
+phases are the Roster's, the consumer's side ``Supervising``'s; this is the transport under
+them. A thread worker (``_threads.ThreadWorker``) takes the same paths: a handle that looks
+like a process, and a ledger of batches by reference.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -71,6 +63,7 @@ def cpu_queued_ns(pid: int | None) -> int | None:
     except (OSError, IndexError, ValueError):
         return None
 
+
 _REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
@@ -113,8 +106,8 @@ class Supervisor(Supervising[Link]):
         return w
 
     def _spawn(self, spec: WorkerSpec, standby: Standby | None = None) -> Worker:
-        """A worker registered and submitted for starting (see :meth:`start`); with
-        ``standby``, that process becomes the worker unless it is gone."""
+        """A worker submitted for starting; with ``standby``, that process becomes the
+        worker unless it is gone."""
         k = spec.worker_id
         parent, child = socket_pair()
         parent.setblocking(False)
@@ -139,8 +132,7 @@ class Supervisor(Supervising[Link]):
         return w
 
     def _let_go(self, gone: list[Worker]) -> None:
-        """Close the links of ``gone`` (retired: EOF tells each to exit); they are reaped
-        with the others (or at once by :meth:`_reap_retired`)."""
+        """EOF tells each of ``gone`` to exit; they are reaped later."""
         for w in gone:
             if self._loop is not None and w.link.launch.started:
                 self._unwatch(w)
@@ -149,7 +141,7 @@ class Supervisor(Supervising[Link]):
             self._retired.append(w)
 
     async def _reap_retired(self) -> None:
-        """Wait for retired processes off the loop, so they do not linger as zombies."""
+        """Off the loop, so that retired processes do not linger as zombies."""
         await asyncio.get_running_loop().run_in_executor(None, self._reap, EXIT_GRACE, True)
 
     def _new(self, worker_id: int, start: ShardPosition | None, *,
@@ -182,9 +174,8 @@ class Supervisor(Supervising[Link]):
     # ------------------------------------------------------------------ watch
 
     def attach(self) -> None:
-        """Watch every worker's socket and sentinel on the running loop (none once closed:
-        a close from another thread can come between start and attach, and a thread
-        worker's reader can run before its parent attaches; receive() then says closed)."""
+        """Watch every worker's socket and sentinel on the running loop; none once closed (a
+        close from another thread can come between start and attach)."""
         if self.closed:
             return
         self._loop = asyncio.get_running_loop()
@@ -273,7 +264,7 @@ class Supervisor(Supervising[Link]):
             assert self._loop is not None
             self._loop.remove_reader(process.sentinel)
             self._drain(w)  # a Failed message sent just before exiting comes first
-            if self.roster.on_exit(w) is not None and self._reaping.acquire(False):
+            if self.roster.on_exit(w) and self._reaping.acquire(False):
                 try:  # one thread at a time waits for a child's status: not while reaping
                     process.join(EXIT_GRACE)
                 finally:
@@ -358,16 +349,12 @@ class Supervisor(Supervising[Link]):
 
     def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
         """Each worker's telemetry, and the arenas'; plain reads, no syscall."""
+        now = list(self.workers)
         workers = tuple(worker_stats(w, w.link.pid if w.phase is not Phase.REAPED else None)
-                        for w in list(self.workers))
-        slots = filled = leased = nbytes = 0
-        for w in list(self.workers):
-            usage = w.link.ledger.usage()
-            slots += usage.slots
-            filled += usage.filled
-            leased += usage.leased
-            nbytes += usage.bytes
-        return workers, ArenaStats(slots, slots - filled - leased, filled, leased, nbytes)
+                        for w in now)
+        usages = [w.link.ledger.usage() for w in now]
+        return workers, ArenaStats(*(sum(getattr(u, f.name) for u in usages)
+                                     for f in dataclasses.fields(ArenaStats)))
 
     def describe(self, worker_ids: list[int]) -> str:
         named = super().describe(worker_ids)
@@ -383,11 +370,8 @@ class Supervisor(Supervising[Link]):
         return named
 
     async def aclose(self, grace: float) -> None:
-        """Stop every worker and wait for it, without blocking the loop.
-
-        ``grace``: how long a worker may take to leave on EOF before it is terminated (an
-        error path passes 0: nothing is waiting for that worker's last words).
-        """
+        """Stop every worker and wait for it, without blocking the loop; ``grace``: seconds
+        a worker may take to leave on EOF before it is terminated."""
         if not self._begin_close():
             return
         try:
@@ -404,7 +388,6 @@ class Supervisor(Supervising[Link]):
             raise
 
     def close(self, grace: float) -> None:
-        """Blocking version of :meth:`aclose`."""
         if self._begin_close():
             self._reap(grace)
 
@@ -422,7 +405,7 @@ class Supervisor(Supervising[Link]):
         with self._reaping:  # the executor's thread and a cancelled caller may both get here
             self._reap_locked(grace, retired_only)
 
-    def _reap_locked(self, grace: float, retired_only: bool = False) -> None:
+    def _reap_locked(self, grace: float, retired_only: bool) -> None:
         everyone = list(self._retired)
         starts: Starts = {}
         if not retired_only:

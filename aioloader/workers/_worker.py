@@ -1,16 +1,9 @@
 """worker_main(spec, sock): the loop of one worker process, a plain function.
 
-A worker reads (stream plan) or fetches (index plan) instances, batches and collates them
-straight into a free slot of its arena, and sends a small header over its socket. It runs its
-own event loop (uvloop when present) so that readers may be async generators. It stops when
-its socket reaches EOF (the parent closed it, or died), and on Linux the kernel kills it if
-the parent dies first (PR_SET_PDEATHSIG); a thread of its own ends it ORPHAN_GRACE seconds
-after that EOF whatever its loop is stuck in (a forkserver's child outlives the consumer).
-
-A thread worker (``worker_type="thread"``, aioloader/workers/_threads.py) serves the same
-:func:`serve` on a loop in a thread of the main process, its batches going by reference
-(a :class:`~aioloader.plane._dataplane.Shelf`); everything process-wide is left alone there:
-signals, torch's thread count and collate map, the global RNGs, exiting.
+A worker collates its batches straight into a free slot of its arena and sends a small header
+over its socket, on its own event loop (readers may be async generators), until its socket's
+EOF. A thread worker (``_threads``) serves the same :func:`serve`, its batches by reference,
+and leaves everything process-wide alone.
 """
 
 from __future__ import annotations
@@ -52,16 +45,9 @@ _FORKING = _Forking()
 @contextlib.contextmanager
 def forking() -> Iterator[None]:
     """Around ``Process.start()`` of a worker in this thread: a forked child never
-    collects, so never finalizes, what it inherited (garbage included).
-
-    A fork copies the parent's garbage too: a torch DataLoader iterator left in a reference
-    cycle, collected by a worker's GC, ran its ``__del__`` there and filled stderr with
-    "AssertionError: can only test a child process" (issue 19). The GC is off across the
-    fork (so it cannot run in the child before the hook below) and the child freezes
-    everything it inherited first thing; the parent collects its garbage itself. Exits
-    skip the rest: ``os._exit`` after multiprocessing's ``_bootstrap``, whose finalizer
-    registry was cleared at the fork, so no atexit handler or inherited finalizer runs.
-    """
+    collects, so never finalizes, what it inherited (a torch DataLoader iterator in a cycle
+    ran its ``__del__`` there: "can only test a child process", issue 19). The GC is off
+    across the fork, and the child freezes what it inherited first thing."""
     _FORKING.ours = True
     try:
         yield
@@ -134,12 +120,10 @@ def _detach_from_parent_signals(spec: WorkerSpec) -> None:
 
 
 def _drop_forkserver_alive_fd() -> None:
-    """A forkserver's child holds the write end of the server's "alive" pipe
-    (multiprocessing passes it to every child it forks), and the server exits only once no
-    process holds it: a worker stuck in user code kept the server alive after the consumer
-    died, and the server, whose death is what fires our PR_SET_PDEATHSIG, kept the worker
-    alive (issue 19). A worker has no use for it: it does not know that server's address,
-    so it could not start processes from it anyway."""
+    """A forkserver's child holds the write end of the server's "alive" pipe, and the server
+    exits only once no process holds it: a worker stuck in user code kept the server alive
+    after the consumer died, and the server, whose death fires our PR_SET_PDEATHSIG, kept
+    the worker alive (issue 19). A worker has no use for it."""
     from multiprocessing import forkserver
 
     server: Any = forkserver._forkserver
@@ -154,12 +138,10 @@ ORPHAN_GRACE = 2.0  # seconds a worker may take to go once its parent hung up, w
 
 
 def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
-    """End this process ORPHAN_GRACE seconds after the parent's end of ``sock`` closes,
-    from a thread of its own: the event loop sees that EOF only between two pieces of user
-    code, and a worker stuck in a slow ``__getitem__`` (or joining a thread stuck there as
-    it exits) would outlive a parent that died, with nobody left to kill it (issue 19; for
-    forkserver, PR_SET_PDEATHSIG fires on the server's death, not the consumer's). A live
-    parent kills a slow worker itself sooner (GRACE, then SIGTERM: see _supervisor)."""
+    """End this process ORPHAN_GRACE seconds after the parent's end of ``sock`` closes, from
+    a thread of its own: the loop sees that EOF only between two pieces of user code, and a
+    worker stuck in a slow ``__getitem__`` would outlive a parent that died (issue 19; a
+    forkserver's PR_SET_PDEATHSIG fires on the server's death, not the consumer's)."""
     rdhup = getattr(select, "POLLRDHUP", None)
     if rdhup is None or not hasattr(select, "poll"):
         return  # not Linux: the parent's escalation is all there is
@@ -176,10 +158,8 @@ def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
 
 
 async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = None) -> int:
-    """Serve the parent on ``sock`` until EOF; the exit code (a process exits with it).
-
-    ``shelf``: a thread worker's, for its batches and its exception, by reference.
-    """
+    """Serve the parent on ``sock`` until EOF; the exit code. ``shelf``: a thread worker's,
+    for its batches and its exception, by reference."""
     chan = Channel(spec.workers.slots, f"aioloader-w{spec.worker_id}", sock, shelf)
     if spec.loads is not None or spec.workers.threaded:
         # Loads in flight (or a thread's async reader) wait on the network, not on us: EOF
@@ -222,10 +202,9 @@ def _plain(key: Any) -> Any:
 
 
 async def _run_stream(worker: Serving, chan: Channel) -> None:
-    """The worker's passes (:func:`~aioloader.workers._passes.passes`) over the wire, until
-    the parent stops us. A :class:`~aioloader.plane._wire.Rewind` drops the pass under way
-    (its iterator closed) and starts the one asked for, as torch's persistent worker calls
-    ``iter(dataset)`` again for a new epoch: the worker and what it set up stay."""
+    """The worker's passes over the wire, until the parent stops us. A
+    :class:`~aioloader.plane._wire.Rewind` drops the pass under way and starts the one asked
+    for, as torch's persistent worker calls ``iter(dataset)`` again: the set-up stays."""
     touch = chan.progress if worker.spec.workers.progress else None
     start = worker.spec.start()
     while True:
@@ -241,10 +220,9 @@ async def _run_stream(worker: Serving, chan: Channel) -> None:
 
 async def _send_passes(worker: Serving, chan: Channel,
                        events: AsyncIterator[Event[Any]]) -> bool:
-    """Send ``events``: each batch built into a slot, each pass end in a slot of its own
-    (bounded, even when the pass was empty), a hand-over as the successor's position. True
-    once they said all (a hand-over, instances' one pass); False when the parent went away
-    or asked for a rewind (the rest belongs to the pass dropped)."""
+    """Send ``events``, each batch and each pass end in a slot (bounded, even when the pass
+    was empty). True once they said all; False when the parent went away or asked for a
+    rewind."""
     async for event in events:
         chan.poll()
         if chan.rewind is not None:
@@ -264,11 +242,8 @@ async def _send_passes(worker: Serving, chan: Channel,
 
 async def _emit_built(worker: Serving, chan: Channel, event: Build[Any]) -> bool:
     """Send one batch of the stream (or chunk of instances); False once the parent is gone.
-
-    A batch whose making raised (the source's error, or the collate's) is that batch's
-    error, in a slot of its own as the batch would be, and the stream goes on, as torch's
-    IterableDataset worker sends the exception in the batch's place and goes on (issue 32).
-    A chunk of instances (a cache) has no batch to fail: its error ends the worker.
+    A batch whose making raised is that batch's error, in its slot, and the stream goes on,
+    as torch's does (issue 32); a chunk of instances has no batch to fail: it ends the worker.
     """
     make, mark = worker.making(event.batch)
     if not isinstance(event.batch, Batch):
@@ -285,21 +260,15 @@ async def _emit_built(worker: Serving, chan: Channel, event: Build[Any]) -> bool
 
 
 async def _run_index(worker: Serving, chan: Channel) -> None:
-    """Fetch and collate the index batches the parent sends, in the order it sends them.
-
-    A retiring worker says so and answers no more tasks: the parent gives the ones it did
-    not answer to its successor, and closes this one once its batches are taken.
-    """
+    """Fetch and collate the index batches the parent sends, in its order, until it goes or
+    this worker retires."""
     if worker.stage is not None:
         await _run_index_loaded(worker, chan, worker.stage)
         return
     pipe = worker.pipe
     retire = worker.retirement
     touch = chan.progress if worker.spec.workers.progress else None
-    while True:
-        task = await chan.task()
-        if task is None:
-            return
+    while (task := await chan.task()) is not None:
         try:
             items = pipe.fetch(task.indices, touch)
             sent = await chan.emit(task.seq, *worker.answering(items, task.indices))
@@ -314,21 +283,20 @@ async def _run_index(worker: Serving, chan: Channel) -> None:
 
 
 async def _retire(chan: Channel) -> None:
-    """An index worker retires: the parent gives its unanswered tasks to a successor."""
+    """An index worker retires: the parent gives the tasks it did not answer to a successor,
+    and closes this one once its batches are taken."""
     await chan.send(wire.Retiring(None))
     await chan.closed()
 
 
 async def _tasks(chan: Channel) -> AsyncIterator[wire.Task]:
-    """The parent's tasks, as they arrive, until it goes away."""
     while (task := await chan.task()) is not None:
         yield task
 
 
 async def _run_index_loaded(worker: Serving, chan: Channel, stage: LoadStage) -> None:
-    """:func:`_run_index` with a load stage: every task the parent sent starts its loads at
-    once (the stage's gate bounds them), so loads overlap across batches; batches still go
-    out in the order of the tasks."""
+    """:func:`_run_index` with a load stage: every task starts its loads at once (the stage's
+    gate bounds them), and batches still go out in order."""
     source = worker.spec.source
     retire = worker.retirement
     fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
