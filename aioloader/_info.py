@@ -69,7 +69,7 @@ class Patch:
     ``apply()`` makes the change and returns what undoes it. The first :meth:`scope` to
     begin applies it, the last to end undoes it (counted, thread-safe), so torch is exactly
     itself again once no scope is left: a thread worker's lifetime is such a scope (see
-    ``_threads.torch_for_threads``). A worker process changes its own torch for good:
+    ``_threads.ThreadWorker``). A worker process changes its own torch for good:
     that process is ours.
     """
 

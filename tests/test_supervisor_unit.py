@@ -16,11 +16,7 @@ from aioloader.plane import _wire as wire
 from aioloader.plane._dataplane import Shelf
 from aioloader.workers import _supervisor
 from aioloader.workers._phases import (
-    Deliver,
-    EndPass,
-    EndRewind,
     Phase,
-    Raise,
     RestartBudget,
     Roster,
     StartSuccessor,
@@ -68,9 +64,9 @@ def test_batches_are_delivered_in_their_order_then_the_consumer_waits() -> None:
     w = r.workers[0]
     for msg in (batch(0), batch(2, slot=1), wire.PassEnd(0, 0, 2)):
         assert r.on_message(w, msg) is None
-    assert r.next_step(0) == Deliver(batch(0))
-    assert r.next_step(0) == Deliver(batch(2, slot=1))
-    assert r.next_step(0) == EndPass(wire.PassEnd(0, 0, 2))
+    assert r.next_step(0) == batch(0)
+    assert r.next_step(0) == batch(2, slot=1)
+    assert r.next_step(0) == wire.PassEnd(0, 0, 2)
     assert r.next_step(0) == Wait()
     assert r.next_step(1) == Wait()
 
@@ -82,7 +78,7 @@ def test_a_stream_worker_recycles_after_its_last_batches() -> None:
     new = start_successor(r, r.on_message(w, wire.Retiring(POSITION)))
     assert w.phase is Phase.RETIRING and new.phase is Phase.STARTING
     assert r.budget.recycles == 1
-    assert r.next_step(0) == Deliver(batch(0))  # the batches sent before it come first
+    assert r.next_step(0) == batch(0)  # the batches sent before it come first
     assert r.next_step(0) == Switch(0)  # the hand-over read: the successor takes over
     assert w.phase is Phase.HANDED_OVER
     assert r.switched(0) is None
@@ -99,7 +95,7 @@ def test_an_index_worker_hands_its_unanswered_tasks_to_its_successor() -> None:
     new = start_successor(r, r.on_message(w, wire.Retiring(None)))
     assert w.phase is Phase.HANDED_OVER  # new tasks go to the successor from now on
     assert not r.request(0, 4, [8, 9])
-    assert r.next_step(0) == Deliver(batch(0))
+    assert r.next_step(0) == batch(0)
     w.took(batch(0))
     assert r.next_step(0) == Switch(0)
     r.switched(0)
@@ -129,9 +125,9 @@ def test_a_rewind_is_answered_after_what_was_sent_before_it() -> None:
     r.on_message(w, wire.Rewound(3))
     r.on_message(w, batch(0, slot=1))  # pass 3's first
     assert w.rewinding is None  # answered: a successor it starts later is asked nothing
-    assert r.next_step(0) == Deliver(batch(0))  # the pass dropped: the consumer drops it
-    assert r.next_step(0) == EndRewind(wire.Rewound(3))
-    assert r.next_step(0) == Deliver(batch(0, slot=1))
+    assert r.next_step(0) == batch(0)  # the pass dropped: the consumer drops it
+    assert r.next_step(0) == wire.Rewound(3)
+    assert r.next_step(0) == batch(0, slot=1)
 
 
 def test_a_rewind_asked_of_a_retiring_stream_worker_is_its_successors_to_answer() -> None:
@@ -147,7 +143,7 @@ def test_a_rewind_asked_of_a_retiring_stream_worker_is_its_successors_to_answer(
     s1 = start_successor(r, r.switched(0))  # w1's, deferred until now
     assert s1.rewinding == 3  # asked as it starts
     r.on_message(s0, wire.Rewound(3))
-    assert r.next_step(0) == EndRewind(wire.Rewound(3))
+    assert r.next_step(0) == wire.Rewound(3)
     assert r.workers[0] is s0 and s0.rewinding is None
 
 
@@ -182,9 +178,9 @@ def test_a_worker_that_dies_is_lost_after_what_it_sent_then_restarted() -> None:
     assert r.on_exit(w) is True
     r.on_death(w, died(0))
     assert w.phase is Phase.LOST and r.failure is None
-    assert r.next_step(0) == Deliver(batch(0))
+    assert r.next_step(0) == batch(0)
     step = r.next_step(0)
-    assert isinstance(step, Raise) and isinstance(step.error, WorkerLost)
+    assert isinstance(step, WorkerLost)
     assert r.next_step(1) == Wait()  # the others go on
     new = WorkerState(0, "restarted")
     death, gone = r.restart(0, new)
@@ -208,7 +204,7 @@ def test_a_silent_worker_is_hung_only_when_silent_itself_and_healable() -> None:
     assert r.hung(0, 5.0, now) is None  # killed once
     assert r.on_exit(w) is True
     r.on_death(w, WorkerDied(0, 1000, -9, hung=w.silenced))
-    assert isinstance(r.next_step(0), Raise)
+    assert isinstance(r.next_step(0), BaseException)
     r.restart(0, WorkerState(0, "restarted", phase=Phase.RUNNING))
     assert r.budget.healed == {"hang": 1} and r.budget.restarts == 1
     assert r.workers[0].died is None and not r.budget.room
@@ -224,7 +220,7 @@ def test_a_death_past_the_budget_fails_the_session() -> None:
     assert r.workers[0].phase is Phase.LOST
     assert r.workers[1].phase is Phase.EXITED
     assert isinstance(r.failure, WorkerDied) and r.failure.earlier == [r.workers[0].died]
-    assert r.next_step(0) == Raise(r.failure)
+    assert r.next_step(0) is r.failure
 
 
 def test_a_lost_retiring_worker_takes_its_successor_with_it() -> None:
@@ -234,7 +230,7 @@ def test_a_lost_retiring_worker_takes_its_successor_with_it() -> None:
     assert r.on_exit(w) is True
     r.on_death(w, died(0))
     step = r.next_step(0)  # the hand-over message is read first: it stays lost
-    assert isinstance(step, Raise) and isinstance(step.error, WorkerLost)
+    assert isinstance(step, WorkerLost)
     _, gone = r.restart(0, WorkerState(0, "restarted"))
     assert gone == [w, successor] and successor.phase is Phase.RETIRED
 
@@ -248,9 +244,9 @@ def test_a_failure_is_raised_in_its_turn_and_its_exit_is_no_death() -> None:
     assert w0.phase is Phase.FAILED
     assert r.on_exit(w0) is False and w0.phase is Phase.EXITED
     assert r.next_step(1) == Wait()  # not yet: it is worker 0's turn to raise it
-    assert r.next_step(0) == Deliver(batch(0))
-    assert r.next_step(0) == Raise(error)
-    assert r.failure is error and r.next_step(1) == Raise(error)
+    assert r.next_step(0) == batch(0)
+    assert r.next_step(0) is error
+    assert r.failure is error and r.next_step(1) is error
     assert r.on_exit(w1) is False  # the session failed: nothing to heal
 
 
@@ -263,7 +259,7 @@ def test_close_retires_everyone_once() -> None:
     assert all(w.phase is Phase.RETIRED for w in (w0, w1, successor))
     assert r.close() is None
     step = r.next_step(1)
-    assert isinstance(step, Raise) and isinstance(step.error, LoaderClosedError)
+    assert isinstance(step, LoaderClosedError)
     assert r.on_exit(w1) is False
     assert r.on_message(w1, wire.Retiring(POSITION)) is None
 

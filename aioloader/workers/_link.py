@@ -18,8 +18,7 @@ from ._supervising import told_error
 
 @dataclass(eq=False)
 class Link:
-    """The parent's end of one worker: its socket and what goes through it, its ledger, its
-    start. The pipe's EOF is a fact of the link, apart from the worker's phase."""
+    """The parent's end of one worker: socket, ledger, start (the pipe's EOF is its own)."""
 
     sock: socket.socket
     ledger: Ledger
@@ -38,8 +37,7 @@ class Link:
         return self.launch.process.pid
 
     def read(self) -> list[wire.Message] | None:
-        """The messages completed by the next bytes on the socket (fds go to ``fds``);
-        None when nothing waits, or at EOF (``eof`` says which)."""
+        """Messages completed by the socket's next bytes; None when none waits or at ``eof``."""
         while not self.eof:
             try:
                 data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 18, 4)
@@ -55,8 +53,7 @@ class Link:
         return None
 
     def send(self, msg: wire.Message) -> bool:
-        """Send ``msg`` as far as the socket takes it now: True when the rest waits in
-        ``outbox`` for the socket to be writable (:meth:`flush`)."""
+        """Send ``msg`` as far as the socket takes it: True when the rest waits (:meth:`flush`)."""
         if self.eof or self.sock.fileno() < 0:
             return False
         frame = wire.encode(msg)

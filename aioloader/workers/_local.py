@@ -45,17 +45,13 @@ Work = Iterator[Any] | Unhooked[Any] | InOrder[Any, Any]  # one pass's iterator
 
 
 class _InProcess:
-    """No workers: nothing to start, watch or reap; blocking work runs in one thread.
+    """No workers: nothing to start, watch or reap; blocking work runs in one thread, not
+    asyncio's default executor, whose threads each have their own malloc arena (a freed
+    9.6 MB batch faulted in again: 250-1100 page faults a batch) and OpenMP team (issue 9).
 
-    One dedicated thread, not asyncio's default executor: that one alternates between its
-    threads, each with its own malloc arena (a freed 9.6 MB batch goes back to the kernel
-    and faults in again: 250-1100 page faults a batch) and its own OpenMP team (issue 9;
-    image batches 0.57x -> 1.02x torch's num_workers=0).
-
-    Where user code runs (issue 33): on a user's loop, in the thread, unless the user asked
-    for the loop (``fetch_on_loop=True``: ``on_loop``); on the sync adapter's own loop,
-    inline, as torch's ``num_workers=0`` does; with a ``timeout``, always in the thread (the
-    timer needs the loop free to fire).
+    User code runs (issue 33) in the thread on a user's loop unless ``fetch_on_loop=True``;
+    inline on the sync adapter's own loop, as torch's ``num_workers=0`` does; always in the
+    thread with a ``timeout`` (the timer needs the loop free to fire).
     """
 
     def __init__(self, pipe: Pipeline, *, timed: bool, skips: SkipLog | None,
@@ -81,8 +77,7 @@ class _InProcess:
         pass
 
     async def next(self) -> Delivered | PassDone:
-        """The next batch (or chunk) or pass end; what the source skips itself goes to the
-        loader's skip log meanwhile."""
+        """The next batch (or chunk) or pass end; the source's own skips go to the skip log."""
         token = SKIP_REPORT.set(self._skips.add)
         try:
             return await self._next()
@@ -115,10 +110,9 @@ class _InProcess:
         return await self.offload(fn, *args)
 
     def collate(self, items: list[Any], indices: list[Any] | None = None) -> Any:
-        """``items`` collated; while batches are large, their large tensors in reused memory
-        (``aioloader.pipeline._recycle``), by our collate or by torch's ``default_collate``
-        however it is called meanwhile. Small batches skip that (10-14 us a batch: 12 % of
-        tiny's)."""
+        """``items`` collated, large tensors in reused memory (``pipeline._recycle``, torch's
+        ``default_collate`` too) while batches are large; small ones skip that (10-14 us a
+        batch: 12 % of tiny's)."""
         if not self.reuse:
             return self.pipe.collate(items, indices)
         with use_allocator(MEMORY), TORCH_COLLATE_IN_THREADS.scope():
@@ -196,19 +190,16 @@ class _InProcess:
 
 
 def _fetch_thread(copier: concurrent.futures.Executor, waiting: ConsumerWaits) -> None:
-    """The fetch thread's set-up: torch on one OpenMP thread, and large stacks shared with
-    ``copier``'s thread while the consumer waits for them (``_stacking.copy_helper``)."""
+    """Torch on one OpenMP thread; large stacks shared with ``copier`` (``copy_helper``)."""
     ops_on_this_thread()
     copy_helper(copier, waiting)
 
 
 def _copy_thread() -> None:
-    """The copy helper's set-up: torch on one OpenMP thread and, on Linux (where a thread has
-    a policy of its own), ``SCHED_IDLE``: it takes a core only while nothing else wants it.
-    While ``decode`` streamed, a 1 ms ticker on the caller's loop woke up to 2.0-2.3 ms late
-    (p99) beside a helper at nice 0, 1.6-2.1 ms at nice 19 (its core is not idle to the
-    scheduler), 1.08-1.16 ms under ``SCHED_IDLE`` and 1.03-1.17 ms without a helper. Where
-    the policy cannot be set (a sandbox), the helper runs as it is."""
+    """The copy helper's set-up: torch on one OpenMP thread and, on Linux, ``SCHED_IDLE``
+    where it can be set. While ``decode`` streamed, a 1 ms ticker on the caller's loop woke
+    up to 2.0-2.3 ms late (p99) beside a helper at nice 0, 1.6-2.1 ms at nice 19,
+    1.08-1.16 ms under ``SCHED_IDLE`` and 1.03-1.17 ms without a helper."""
     ops_on_this_thread()
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
@@ -242,9 +233,8 @@ class LocalIndex(_InProcess):
         self._plans = Plans(plan, first_pass, ahead=plan_ahead, skip=skip)
         self._ahead = ahead
         self._ended: PassDone | None = None
-        # Fetches queued to the thread, in the plan's order; a pass end stops the queue
-        # (the next pass is planned only when the consumer gets there: a user's sampler
-        # sees set_epoch first).
+        # Fetches queued to the thread; a pass end stops the queue (a user's sampler sees
+        # set_epoch before the next pass is planned).
         self._queue: collections.deque[concurrent.futures.Future[Any] | PassDone] = (
             collections.deque())
 
@@ -265,9 +255,7 @@ class LocalIndex(_InProcess):
         return self.delivered(self._fetch(indices))
 
     async def _next_ahead(self) -> Delivered | PassDone:
-        """The head of the queue, topped up first so that ``ahead`` fetches stay queued
-        behind it while the consumer holds it. A cancelled wait (a close, a timeout) leaves
-        the head queued: nothing planned is lost."""
+        """The queue's head, ``ahead`` fetches kept behind it; a cancelled wait loses nothing."""
         queue = self._queue
         while (len(queue) <= self._ahead and not self.inline
                and not (queue and isinstance(queue[-1], PassDone))):
@@ -331,11 +319,7 @@ class LocalIndex(_InProcess):
 
 
 class LocalStream(_InProcess):
-    """Passes over a reader or IterableDataset, batched and collated in this process.
-
-    A sync source without a load stage is read, batched and collated in the thread, one
-    batch a call; an async one (or keys to load) is read on this loop.
-    """
+    """Passes over a reader or IterableDataset (a sync one in the thread), collated here."""
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, options: BatchOptions,
                  collate_fn: Callable[[list[Any]], Any] | None,
@@ -369,8 +353,7 @@ class LocalStream(_InProcess):
 
     async def _built(self, start: ShardPosition,
                      seed: int) -> AsyncIterator[Delivered | BatchFailure | Boundary]:
-        """One pass's batches, collated (a sync source's in the thread, one hop a batch),
-        inside its load stage; no boundaries (nothing retires here)."""
+        """One pass's batches, collated, inside its load stage (nothing retires here)."""
         stage = await self.enter_stage()
         self._work = steps = self.pipe.batches(start, seed, stage, touch=self.touch,
                                                offload=self.offload)
@@ -396,8 +379,7 @@ class LocalStream(_InProcess):
         return None
 
     def _made(self, batch: Batch) -> tuple[Any, Any] | BatchFailure:
-        """``batch`` collated, with its mark; or its failure (the source's or the collate's),
-        and the pass goes on, as torch's iterator does (issue 32)."""
+        """``batch`` collated, with its mark, or its failure: the pass goes on (issue 32)."""
         if batch.error is not None:
             return BatchFailure(-1, batch.error, batch.mark)
         try:
@@ -411,7 +393,7 @@ class LocalStream(_InProcess):
 
 
 class LocalInstances(_InProcess):
-    """One pass of instances read in this process, in chunks (a sync reader in a thread)."""
+    """One pass of instances read in this process, in chunks."""
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, rank: int,
                  world_size: int, *, timed: bool, loads: LoadOptions | None = None,
@@ -436,5 +418,4 @@ class LocalInstances(_InProcess):
             self._done = True
             await self.end_pass()
             return PassDone(False)
-        # Keys skipped on error count for a worker's position; here they go no further.
         return Delivered([x for x in chunk if not isinstance(x, SkippedLoad)])

@@ -32,8 +32,7 @@ B = TypeVar("B")
 
 @dataclass(frozen=True, slots=True)
 class Build(Generic[B]):
-    """Build batch ``seq`` of the pass (its ``batch``: a :class:`Batch`, a chunk of
-    instances, or what the caller's pass yields) and hand it on."""
+    """Build batch ``seq`` of the pass (a :class:`Batch`, a chunk, ...) and hand it on."""
 
     seq: int
     batch: B
@@ -115,8 +114,7 @@ class Retirement:
 
 
 def own_memory() -> int:
-    """Bytes of memory this process holds alone (USS): not the RSS, which counts the pages a
-    forked worker still shares with its parent."""
+    """Bytes this process holds alone (USS), not its RSS: a fork shares its parent's pages."""
     try:
         with open("/proc/self/smaps_rollup", "rb") as f:
             text = f.read()
@@ -129,28 +127,6 @@ def own_memory() -> int:
         if line.startswith((b"Private_Clean:", b"Private_Dirty:")):
             total += int(line.split()[1]) * 1024
     return total
-
-
-def seed_everything(seed: int) -> None:
-    """Python's, torch's and numpy's global RNGs."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % (1 << 32))
-    except ImportError:
-        pass
-
-
-def seed_datapipe(source: Any, base_seed: int, pass_no: int) -> None:
-    """An ``IterDataPipe``'s shufflers seeded alike in every worker for pass ``pass_no``, as
-    torch does: a ``.shuffle()`` before ``.sharding_filter()`` then draws one order that the
-    shards partition (each drew its own before, and the shards overlapped)."""
-    if isinstance(source, IterDataPipe):
-        shared = torch.Generator()
-        shared.manual_seed(derive_seed(base_seed, pass_no) & ((1 << 63) - 1))
-        apply_random_seed(source, shared)
 
 
 class Seeding:
@@ -168,7 +144,13 @@ class Seeding:
         seed = self.spec.seed_for(pass_no)
         self._set(seed, reseed=seed != self._seeded)  # not again: worker_init_fn's stays
         self._seeded = -1
-        seed_datapipe(self.spec.source, self.spec.seed, pass_no)
+        if isinstance(self.spec.source, IterDataPipe):
+            # Its shufflers seeded alike in every worker, as torch does: a .shuffle() before
+            # .sharding_filter() draws one order that the shards partition (each drew its
+            # own before, and the shards overlapped).
+            shared = torch.Generator()
+            shared.manual_seed(derive_seed(self.spec.seed, pass_no) & ((1 << 63) - 1))
+            apply_random_seed(self.spec.source, shared)
         return seed
 
     def _set(self, seed: int, reseed: bool) -> None:
@@ -176,8 +158,13 @@ class Seeding:
         threaded = spec.workers.threaded
         set_worker_info(WorkerInfo(spec.workers.num_workers, spec.worker_id, seed, spec.rank,
                                    spec.world_size), dataset=spec.source, thread=threaded)
-        if reseed and not threaded:
-            seed_everything(seed)
+        if reseed and not threaded:  # Python's, torch's and numpy's global RNGs
+            random.seed(seed)
+            torch.manual_seed(seed)
+            with contextlib.suppress(ImportError):
+                import numpy as np
+
+                np.random.seed(seed % (1 << 32))
 
 
 @dataclass
@@ -192,8 +179,7 @@ class Serving:
 
     def passes(self, touch: Touch | None = None, start: ShardPosition | None = None,
                ) -> AsyncGenerator[Event[Batch | list[Any]], None]:
-        """The stream's passes (batches) from ``start`` (None: where the spec says), or the
-        one pass of instances (in chunks)."""
+        """The stream's passes from ``start`` (None: the spec's), or instances' one pass."""
         spec, pipe, stage = self.spec, self.pipe, self.stage
         start = start if start is not None else spec.start()
         if spec.plan == "instances":
@@ -208,8 +194,7 @@ class Serving:
         return passes(start, batches, self.seeding.begin, self.retirement)
 
     def making(self, built: Batch | list[Any]) -> tuple[Callable[[], Any], Any]:
-        """How a :class:`Build`'s batch becomes the value sent, and its mark: collated (one
-        the source failed raises its error), or a chunk of instances as it is."""
+        """How a built batch becomes the value sent, and its mark (a chunk goes as it is)."""
         if isinstance(built, Batch):
             if built.error is not None:
                 return functools.partial(_raise, built.error), built.mark
@@ -218,8 +203,7 @@ class Serving:
 
     def answering(self, items: list[Any],
                   indices: list[Any] | None = None) -> tuple[Callable[[], Any], Any]:
-        """How an index task's ``items`` become its answer, and its mark: collated; a batch
-        whose every key was skipped is :data:`ALL_SKIPPED`, which the parent passes over."""
+        """An index task's answer and mark: collated, or :data:`ALL_SKIPPED`."""
         if items or self.stage is None:
             return functools.partial(self.pipe.collate, items, indices), None
         return lambda: None, ALL_SKIPPED

@@ -28,8 +28,7 @@ from ..plane import _wire as wire
 
 
 class WorkerLost(Exception):
-    """Worker ``worker_id`` died and may be restarted: its producer restarts it from the
-    position of the last batch the consumer took (never seen by users)."""
+    """Worker ``worker_id`` died within the budget: its producer restarts it (no user sees it)."""
 
     def __init__(self, worker_id: int) -> None:
         super().__init__(f"worker {worker_id} died")
@@ -70,7 +69,6 @@ class RestartBudget:
 
 
 class Phase(enum.Enum):
-
     STARTING = "starting"  # its start is submitted to the starter thread; not in place yet
     RUNNING = "running"
     RETIRING = "retiring"  # it said Retiring: its successor starts, or waits its turn
@@ -130,8 +128,8 @@ class WorkerState(Generic[L]):
 
 @dataclass(frozen=True, slots=True)
 class StartSuccessor:
-    """Start worker ``worker_id``'s successor: from ``position`` (a stream's ShardPosition
-    as data), or, for index batches (None), a worker that gets the tasks not answered."""
+    """Start worker ``worker_id``'s successor, a stream's from ``position`` (data; None:
+    index batches, and it gets the tasks not answered)."""
 
     worker_id: int
     position: Any
@@ -139,35 +137,9 @@ class StartSuccessor:
 
 @dataclass(frozen=True, slots=True)
 class Switch:
-    """Wait for worker ``worker_id``'s successor to be up, then put it in its place
-    (:meth:`Roster.switched`)."""
+    """Put worker ``worker_id``'s successor in its place once it is up."""
 
     worker_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Raise:
-    error: BaseException
-
-
-@dataclass(frozen=True, slots=True)
-class Deliver:
-    """Take batch ``msg`` from the ledger and hand it to the consumer."""
-
-    msg: wire.Batch
-
-
-@dataclass(frozen=True, slots=True)
-class EndPass:
-    msg: wire.PassEnd
-
-
-@dataclass(frozen=True, slots=True)
-class EndRewind:
-    """The worker dropped its pass for the rewind asked of it: what follows is the pass
-    asked for, from its start."""
-
-    msg: wire.Rewound
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +147,11 @@ class Wait:
     """Nothing to hand over yet: wait for the next event."""
 
 
-Action: TypeAlias = Raise | Deliver | EndPass | EndRewind | StartSuccessor | Switch | Wait
+# An exception is raised to the consumer; a message of the worker's is handed over as it is: a
+# batch (take it from the ledger), a pass end, or the answer to a rewind (what follows is the
+# pass asked for, from its start).
+Action: TypeAlias = (BaseException | wire.Batch | wire.PassEnd | wire.Rewound | StartSuccessor
+                     | Switch | Wait)
 
 
 # ---------------------------------------------------------------------- transitions
@@ -194,8 +170,7 @@ class Roster(Generic[L]):
             self.failure = exc
 
     def started(self, w: WorkerState[L]) -> None:
-        """``w``'s start is done and it is in place: its silence counts from now (a start
-        on a loaded machine is no hang)."""
+        """``w`` is in place: its silence counts from now (a slow start is no hang)."""
         if w.phase is Phase.STARTING and not self.closed:
             w.phase = Phase.RUNNING
             w.heard = time.monotonic()
@@ -237,8 +212,7 @@ class Roster(Generic[L]):
         return StartSuccessor(w.id, w.retiring.position)
 
     def add_successor(self, w: WorkerState[L], new: WorkerState[L]) -> None:
-        """``new``, submitted for starting, is ``w``'s successor (:class:`StartSuccessor`);
-        a rewind ``w`` was asked for and did not answer is ``new``'s to answer."""
+        """``new`` is ``w``'s successor, and answers the rewind ``w`` did not."""
         w.successor = new
         new.rewinding = w.rewinding
 
@@ -273,7 +247,7 @@ class Roster(Generic[L]):
 
     def rewind(self, worker_id: int, pass_no: int) -> list[WorkerState[L]]:
         """The consumer asks worker ``worker_id``'s stream for pass ``pass_no`` from its start
-        (:class:`EndRewind` once answered): the workers to ask. A retiring one's successor is
+        (``wire.Rewound`` once answered): the workers to ask. A retiring one's successor is
         asked too, now or as it starts (:meth:`add_successor`), before its first batch: none
         retires in the pass dropped, and the chain of hand-overs ends."""
         w = self.workers[worker_id]
@@ -287,29 +261,25 @@ class Roster(Generic[L]):
         w = self.workers[worker_id]
         while True:
             if self.failure is not None:
-                return Raise(self.failure)
+                return self.failure
             if self.closed:
-                return Raise(LoaderClosedError("the loader was closed"))
+                return LoaderClosedError("the loader was closed")
             if not w.inbox:
                 break
             msg = w.inbox.popleft()
             if isinstance(msg, WorkerError):
                 self.fail(msg)
-                return Raise(msg)
+                return msg
             if isinstance(msg, BatchFailure):  # that batch's error; the session goes on
                 w.sent.pop(msg.seq, None)
-                return Raise(msg)
+                return msg
             if isinstance(msg, wire.Retiring):  # a stream's batches before it are taken
                 if w.phase is Phase.RETIRING:
                     w.phase = Phase.HANDED_OVER
                 continue
-            if isinstance(msg, wire.PassEnd):
-                return EndPass(msg)
-            if isinstance(msg, wire.Rewound):
-                return EndRewind(msg)
-            return Deliver(msg)
+            return msg
         if w.phase is Phase.LOST:  # what it sent before dying was taken first
-            return Raise(WorkerLost(worker_id))
+            return WorkerLost(worker_id)
         if w.deferred and (w.phase is Phase.HANDED_OVER or w.sent):
             return self._start_successor(w)  # the consumer needs this one now: no waiting
         if w.successor is not None and w.phase is Phase.HANDED_OVER:
@@ -317,8 +287,7 @@ class Roster(Generic[L]):
         return Wait()
 
     def switched(self, worker_id: int) -> StartSuccessor | None:
-        """Worker ``worker_id``'s successor is up and takes its place (and the tasks it did
-        not answer); the next hand-over that waited may start."""
+        """Worker ``worker_id``'s successor is up and takes its place, and its tasks."""
         old = self.workers[worker_id]
         new = old.successor
         assert new is not None
@@ -336,8 +305,7 @@ class Roster(Generic[L]):
 
     def restart(self, worker_id: int,
                 new: WorkerState[L]) -> tuple[WorkerDied, list[WorkerState[L]]]:
-        """Worker ``worker_id`` (LOST) is replaced by ``new``: how the old one died, and the
-        workers whose links to close (:meth:`retire`)."""
+        """Worker ``worker_id`` (LOST) is replaced: how it died, and the links to close."""
         old = self.workers[worker_id]
         assert old.phase is Phase.LOST and old.died is not None, \
             f"worker {worker_id} is not lost"

@@ -116,7 +116,7 @@ class Plans:
         self._batches, self._pass, self._skip = None, pass_no, 0
 
     def close(self) -> None:
-        """Drop a plan made early; its thread finishes it, and nobody waits for it."""
+        """Drop a plan made early (its thread finishes it; nobody waits for it)."""
         early, self._early = self._early, None
         if early is not None:
             early.cancel()
@@ -160,8 +160,7 @@ class _OnWorkers:
 
 
 class WorkerStream(_OnWorkers):
-    """Each worker streams passes over its shard; batches are taken round-robin, so the
-    position (each shard's, and whose turn it is) resumes the order exactly."""
+    """Each worker streams its shard; batches are taken round-robin, so a position resumes."""
 
     def __init__(self, sup: Pool, start: StreamPosition) -> None:
         self.sup = sup
@@ -252,8 +251,7 @@ class _InFlight:
 
 
 class WorkerIndex(_OnWorkers):
-    """The main process plans index batches; worker ``seq % n`` fetches batch ``seq``, at
-    most ``slots`` at a time (its slots). Batches come back in the plan's order."""
+    """Worker ``seq % n`` fetches batch ``seq`` of the plan, at most ``slots`` at a time."""
 
     def __init__(self, sup: Pool, plan: Plan, first_pass: int, slots: int, *,
                  plan_ahead: bool = True, skip: int = 0) -> None:

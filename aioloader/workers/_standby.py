@@ -46,7 +46,6 @@ from ._starting import (
     start_child,
     start_launch,
     stop_processes,
-    unlist,
 )
 from ._worker import worker_main
 
@@ -107,15 +106,16 @@ class Standby:
         try:
             self.surroundings = Surroundings.now()
             start_child(self.process)
-            unlist(self.process)
         finally:
             child.close()
 
     def hand_off(self, spec: WorkerSpec, worker_sock: socket.socket) -> bool:
-        """In the starter thread: make this process worker ``spec.worker_id``, talking over
-        ``worker_sock``. False when it is gone (it is reaped): spawn another instead."""
+        """In the starter thread: become worker ``spec``; False when gone (spawn another)."""
         try:
-            if self.started.exception() is not None or self.exited():
+            # Its sentinel, not ``exitcode``: the kernel closes a dying process's fds before
+            # ``waitpid`` can reap it, and its spec would go to a socket not closed yet.
+            if self.started.exception() is not None or multiprocessing.connection.wait(
+                    [self.process.sentinel], timeout=0):
                 release([self], 0.0)
                 return False
             assert self.surroundings is not None
@@ -130,13 +130,6 @@ class Standby:
         finally:
             self.dismiss()
 
-    def exited(self) -> bool:
-        """Whether the started process has exited. Its sentinel, not ``exitcode``: the
-        kernel closes a dying process's fds (the sentinel first when its number is lower)
-        before ``waitpid`` can reap it, so a parent that saw the sentinel could still find
-        ``exitcode`` None, and hand its spec to a socket the dying process has not closed."""
-        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout=0))
-
     def dismiss(self) -> None:
         """EOF: a standby still waiting exits."""
         close_parent(self.sock)
@@ -146,7 +139,7 @@ class Standby:
 
 
 class StandbyPool:
-    """A loader's standby processes, until its first session takes them or it goes."""
+    """A loader's standby processes, until its first session takes them."""
 
     def __init__(self, source: Any, count: int) -> None:
         self._modules = preload_modules(source)
@@ -158,8 +151,7 @@ class StandbyPool:
         self.owner_pid = os.getpid()
 
     def start(self, parts: dict[str, Any]) -> None:
-        """Spawn the standbys from the starter thread; returns at once. If one of ``parts``
-        (``WorkerSpec.parts()``) cannot be pickled, none starts: the first epoch says so."""
+        """Spawn the standbys from the starter thread (none if ``parts`` do not pickle)."""
         self._starting = STARTER.submit(self._start, parts)
 
     def _start(self, parts: dict[str, Any]) -> None:
@@ -187,7 +179,7 @@ class StandbyPool:
         return taken
 
     def pids(self) -> list[int | None]:
-        """The idle standbys' pids, once started (diagnostics and tests)."""
+        """The idle standbys' pids, once started (for tests)."""
         if self._starting is not None:
             self._starting.result()
         with self._lock:
@@ -204,11 +196,11 @@ def release(standbys: list[Standby], grace: float) -> None:
     """Dismiss ``standbys`` and reap them on the workers' stop schedule."""
     for standby in standbys:
         standby.dismiss()
-    stop_processes([], grace, {s.started: s.started_process for s in standbys})
+    stop_processes(grace, {s.started: s.started_process for s in standbys})
 
 
 def standby_main(sock: socket.socket, modules: list[str]) -> None:
-    """A standby's life: import what a worker needs, wait for a spec, be that worker."""
+    """Import what a worker needs, wait for a spec, be that worker."""
     # Ctrl-C reaches the whole process group: the parent decides (as in a worker).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in modules:
@@ -225,8 +217,7 @@ def standby_main(sock: socket.socket, modules: list[str]) -> None:
 
 def hand_off_worker(standby: Standby, spec: WorkerSpec, fresh: BaseProcess,
                     parent: socket.socket, child: socket.socket) -> Launch:
-    """Submit the hand-off of ``spec`` to ``standby``, or the start of ``fresh`` where it is
-    gone."""
+    """Submit the hand-off of ``spec`` to ``standby`` (``fresh`` where it is gone)."""
     launch = Launch(standby.process, parent)
     launch.future = STARTER.submit(_hand_off, launch, spec, child, standby, fresh)
     return launch

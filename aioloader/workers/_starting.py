@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, TypeAlias, TypeVar
@@ -95,8 +95,7 @@ def close_parent(sock: socket.socket) -> None:
 
 
 class Handle(Protocol):
-    """What the supervisor and the stop schedule use of a worker: a process, or a
-    ``ThreadWorker`` (aioloader/workers/_threads.py) that looks like one."""
+    """What the supervisor uses of a worker: a process, or a ``ThreadWorker``."""
 
     @property
     def pid(self) -> int | None: ...
@@ -130,7 +129,7 @@ class Launch:
     started: bool = False  # set in the starter thread: a process (or thread) runs
 
     def started_process(self) -> Handle | None:
-        """The process once the start is done; None if the start failed before it."""
+        """The process once the start is done; None if it failed before."""
         return self.process if self.started else None
 
 
@@ -145,25 +144,20 @@ def new_process(spec: WorkerSpec, child: socket.socket, start_method: str) -> Ba
 
 
 def start_worker(process: Handle, parent: socket.socket, child: socket.socket) -> Launch:
-    """Submit the start of ``process`` (a thread worker owns ``child``: it closes it)."""
+    """Submit the start of ``process`` (a thread worker closes ``child`` itself)."""
     launch = Launch(process, parent)
     launch.future = STARTER.submit(start_launch, launch, child)
     return launch
 
 
-def unlist(process: BaseProcess) -> None:
-    """multiprocessing polls every child it knows of whenever any process starts
-    (process._cleanup): another loader's start would then race our reaping for the exit
-    status (waitpid), and Process.close() could find "still running". We alone reap."""
-    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
-
-
 def start_child(process: BaseProcess) -> None:
-    """``process.start()``. In a process that spawn is still preparing (it re-runs the
-    parent's script to import the main module, and the script has no ``__main__`` guard),
-    multiprocessing refuses with a RuntimeError about "bootstrapping": that process then
-    says why on stderr and exits with :data:`UNGUARDED_MAIN_EXIT`, which its parent's
-    ``WorkerDied`` explains, instead of a bare "exit code 1" (issue 36)."""
+    """``process.start()``, then unlisted: multiprocessing polls every child it knows of
+    whenever any process starts, which would race our reaping for the exit status.
+
+    In a process that spawn is still preparing (it re-runs the parent's script, which has
+    no ``__main__`` guard), multiprocessing refuses with a RuntimeError about
+    "bootstrapping": that process then says why on stderr and exits with
+    :data:`UNGUARDED_MAIN_EXIT`, which its parent's ``WorkerDied`` explains (issue 36)."""
     try:
         process.start()
     except RuntimeError:
@@ -173,6 +167,7 @@ def start_child(process: BaseProcess) -> None:
                          f"{UNGUARDED_MAIN}.\n")
         sys.stderr.flush()
         os._exit(UNGUARDED_MAIN_EXIT)
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
 
 
 def start_launch(launch: Launch, child: socket.socket) -> None:
@@ -189,25 +184,23 @@ def start_launch(launch: Launch, child: socket.socket) -> None:
         with forking():  # fork: the worker never finalizes what it inherits (issue 19)
             start_child(process)
         launch.started = True
-        unlist(process)
     finally:
         child.close()
 
 
 # ---------------------------------------------------------------------- the stop schedule
 
-def stop_processes(processes: Sequence[Handle], grace: float,
-                   starts: Starts | None = None) -> None:
-    """Stop ``processes`` (told to go: EOF) on one schedule from now: ``grace`` seconds to
-    exit, then terminate, KILL_AFTER seconds later kill; join and close each.
+def stop_processes(grace: float, starts: Starts) -> None:
+    """Stop the processes of ``starts`` (told to go: EOF) on one schedule from now: ``grace``
+    seconds to exit, then terminate, KILL_AFTER seconds later kill; join and close each.
 
-    ``starts``: starts in flight, and what gives each one's process (None: none). A process
-    that starts meanwhile joins the schedule where it then is, and every wait runs to the
-    same deadline, so nothing adds up per worker or per start (issue 19: a stop must be
-    prompt under load). Only a start that outlasts the whole schedule is waited for.
+    ``starts``: each start, done or in flight, and what gives its process (None: none). A
+    process that starts meanwhile joins the schedule where it then is, and every wait runs
+    to the same deadline, so nothing adds up per worker or per start (issue 19: a stop must
+    be prompt under load). Only a start that outlasts the whole schedule is waited for.
     """
-    started: list[Handle] = list(processes)
-    waiting: Starts = dict(starts or {})
+    started: list[Handle] = []
+    waiting: Starts = dict(starts)
     taken: list[str] = []  # the escalations so far, for a process that starts late
     deadline = time.monotonic() + grace
     for escalate in (None, "terminate", "kill"):
@@ -230,8 +223,7 @@ def stop_processes(processes: Sequence[Handle], grace: float,
 
 def _take_started(waiting: Starts, started: list[Handle], taken: list[str],
                   deadline: float | None) -> None:
-    """Wait for the starts in ``waiting`` until ``deadline`` (None: for all of them); each
-    process started meanwhile gets the escalations ``taken`` so far, and joins ``started``."""
+    """Wait for ``waiting`` until ``deadline``; a process started gets the ``taken`` steps."""
     if not waiting:
         return
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -248,8 +240,7 @@ def _take_started(waiting: Starts, started: list[Handle], taken: list[str],
 # ---------------------------------------------------------------------- forkserver
 
 def warm_forkserver(source: Any) -> None:
-    """Start multiprocessing's forkserver now, in the background, preloaded for ``source``:
-    its imports overlap the script's own set-up, and the first epoch forks from it warm."""
+    """Start the forkserver now, in the background: the first epoch forks from it warm."""
     def start() -> None:
         import multiprocessing.forkserver
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -23,11 +23,7 @@ from ..plane import _wire as wire
 from ..plans._position import ShardPosition
 from ._phases import (
     ALIVE,
-    Deliver,
-    EndPass,
-    EndRewind,
     Phase,
-    Raise,
     RestartBudget,
     Roster,
     StartSuccessor,
@@ -51,7 +47,7 @@ class Ended:
 
 @dataclass(frozen=True, slots=True)
 class Rewound:
-    """The worker dropped its pass: what it sends next is pass ``pass_no``, from its start."""
+    """The worker dropped its pass: pass ``pass_no`` follows, from its start."""
 
     pass_no: int
 
@@ -90,9 +86,6 @@ class Supervising(Generic[L]):
     async def _prepare(self) -> None:
         """Before the first worker starts: what every worker's start needs."""
 
-    def _first(self, worker_id: int) -> WorkerState[L]:
-        return self._new(worker_id, None)
-
     def _new(self, worker_id: int, start: ShardPosition | None, *,
              ahead: bool = True) -> WorkerState[L]:
         """Worker ``worker_id`` registered and its start submitted, a stream's from
@@ -100,34 +93,25 @@ class Supervising(Generic[L]):
         so a transport that asks a stream for batches (Ray) must not ask yet."""
         raise NotImplementedError
 
-    async def _up(self, w: WorkerState[L]) -> None:
-        """Until ``w``'s start is done (a death meanwhile goes to the Roster)."""
-        raise NotImplementedError
-
-    def _let_go(self, gone: list[WorkerState[L]]) -> None:
-        raise NotImplementedError
+    # Each transport's own (the methods of its class):
+    _up: Callable[[WorkerState[L]], Awaitable[None]]  # until a start is done (or a death)
+    _let_go: Callable[[list[WorkerState[L]]], None]  # workers the Roster retired
+    _ask: Callable[[WorkerState[L], int, list[int]], None]  # batch seq's indices
+    _rewind: Callable[[WorkerState[L], int], None]  # a stream's pass from its start
+    _took_over: Callable[[WorkerState[L]], None]  # it gets the tasks not answered
+    _take: Callable[[WorkerState[L], wire.Batch, bool], Awaitable[Any]]  # a batch's value
+    _wait: Callable[[int], Awaitable[None]]  # the next event of worker k, or the session's
+    _kill: Callable[[WorkerState[L], float], bool]  # a hung one; False: it cannot be
+    _named: Callable[[WorkerState[L]], str]  # 'worker 2 (pid 123)'
+    stats: Callable[[], tuple[tuple[WorkerStats, ...], ArenaStats]]  # plain reads
+    aclose: Callable[[float], Awaitable[None]]  # stop every worker, given a grace in seconds
+    close: Callable[[float], None]  # the same, blocking
 
     def _watch_new(self, w: WorkerState[L]) -> None:
         pass
 
-    def _ask(self, w: WorkerState[L], seq: int, indices: list[int]) -> None:
-        raise NotImplementedError
-
-    def _rewind(self, w: WorkerState[L], pass_no: int) -> None:
-        raise NotImplementedError
-
-    def _took_over(self, new: WorkerState[L]) -> None:
-        """``new`` took its predecessor's place: it gets the tasks that one did not answer."""
-        raise NotImplementedError
-
-    async def _take(self, w: WorkerState[L], msg: wire.Batch, lease: bool) -> Any:
-        raise NotImplementedError
-
     def _slot_read(self, w: WorkerState[L], slot: int) -> None:
         """A message of ``w``'s that held ``slot`` and no batch is handed over."""
-
-    async def _wait(self, worker_id: int) -> None:
-        raise NotImplementedError
 
     def _starved(self, w: WorkerState[L]) -> float:
         """Seconds of ``w``'s silence spent runnable but not run (no hang); 0.0: unknown."""
@@ -136,37 +120,21 @@ class Supervising(Generic[L]):
     def _can_kill(self) -> bool:
         return True
 
-    def _kill(self, w: WorkerState[L], silence: float) -> bool:
-        raise NotImplementedError
-
-    def _named(self, w: WorkerState[L]) -> str:
-        """'worker 2 (pid 123)': ``w`` in a message."""
-        raise NotImplementedError
-
     def attach(self) -> None:
         """Watch the workers on the running loop while an epoch runs (Ray: nothing to watch)."""
 
     def detach(self) -> None:
         pass
 
-    def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
-        raise NotImplementedError
-
-    async def aclose(self, grace: float) -> None:
-        raise NotImplementedError
-
-    def close(self, grace: float) -> None:
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ start, ask, fail
 
     async def start(self) -> None:
-        """Start every worker. Each is registered before its start is submitted, so whatever
-        fails or is cancelled, the stop (no grace) sees every one."""
+        """Start every worker, each registered first: a failed start stops them all."""
         try:
             await self._prepare()
             for k in range(self.num_workers):
-                self.workers.append(self._first(k))
+                self.workers.append(self._new(k, None))
             for w in self.workers:
                 await self._up(w)
                 self.roster.started(w)
@@ -175,14 +143,12 @@ class Supervising(Generic[L]):
             raise
 
     def request(self, worker_id: int, seq: int, indices: list[int]) -> None:
-        """Ask worker ``worker_id`` for batch ``seq`` (the producer bounds how many are in
-        flight); once it is handed over, its successor gets the task (:meth:`Roster.request`)."""
+        """Ask worker ``worker_id`` for batch ``seq`` (or its successor, once handed over)."""
         if self.roster.request(worker_id, seq, indices) and not self.closed:
             self._ask(self.workers[worker_id], seq, indices)
 
     def rewind(self, worker_id: int, pass_no: int) -> None:
-        """Ask worker ``worker_id``'s stream for pass ``pass_no`` from its start; it answers
-        :class:`Rewound` after what it sent before (or its successor does)."""
+        """Ask worker ``worker_id``'s stream for pass ``pass_no`` again (:class:`Rewound`)."""
         for w in self.roster.rewind(worker_id, pass_no):
             if not self.closed:
                 self._rewind(w, pass_no)
@@ -232,20 +198,19 @@ class Supervising(Generic[L]):
         while True:
             action = self.roster.next_step(worker_id)
             w = self.workers[worker_id]
-            if isinstance(action, Raise):
-                if isinstance(action.error, BatchFailure) and action.error.slot is not None:
-                    self._slot_read(w, action.error.slot)
-                raise action.error
-            if isinstance(action, EndPass):
-                self._slot_read(w, action.msg.slot)
-                return Ended(action.msg.pass_no)
-            if isinstance(action, EndRewind):
-                return Rewound(action.msg.pass_no)
-            if isinstance(action, Deliver):
-                msg = action.msg
-                value = await self._take(w, msg, lease)
-                w.took(msg)
-                return Delivered(value, msg.seq, msg.mark, msg.nbytes)
+            if isinstance(action, BaseException):
+                if isinstance(action, BatchFailure) and action.slot is not None:
+                    self._slot_read(w, action.slot)
+                raise action
+            if isinstance(action, wire.PassEnd):
+                self._slot_read(w, action.slot)
+                return Ended(action.pass_no)
+            if isinstance(action, wire.Rewound):
+                return Rewound(action.pass_no)
+            if isinstance(action, wire.Batch):
+                value = await self._take(w, action, lease)
+                w.took(action)
+                return Delivered(value, action.seq, action.mark, action.nbytes)
             if isinstance(action, StartSuccessor):
                 self._start_successor(action)
             elif isinstance(action, Switch):

@@ -64,11 +64,11 @@ def cpu_queued_ns(pid: int | None) -> int | None:
         return None
 
 
-_REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
+_REAPS: set[asyncio.Future[None]] = set()  # reaping recycled workers, until done
 
 
 class Supervisor(Supervising[Link]):
-    """Starts ``num_workers`` processes for ``spec`` and moves messages to and from them."""
+    """Starts ``num_workers`` processes for ``spec``, moves messages to and from them."""
 
     def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
                  lease: bool = True, budget: RestartBudget | None = None,
@@ -98,17 +98,12 @@ class Supervisor(Supervising[Link]):
         if self.start_method != "fork" and not self.spec.workers.threaded:
             check_picklable(self.spec.parts(), self.start_method)
 
-    def _first(self, worker_id: int) -> Worker:
-        standby = self._standbys[0] if self._standbys else None
-        w = self._spawn(self.spec.for_worker(worker_id), standby)
-        if standby is not None:
-            self._standbys.remove(standby)
-        return w
-
-    def _spawn(self, spec: WorkerSpec, standby: Standby | None = None) -> Worker:
-        """A worker submitted for starting; with ``standby``, that process becomes the
-        worker unless it is gone."""
-        k = spec.worker_id
+    def _new(self, worker_id: int, start: ShardPosition | None, *,
+             ahead: bool = True) -> Worker:  # (it streams unasked; a Rewind is read first)
+        """A worker submitted for starting, from a standby in the first start (if not gone)."""
+        spec = self.spec.for_worker(worker_id)
+        if start is not None:
+            spec = spec.starting_at(start, self.num_workers)
         parent, child = socket_pair()
         parent.setblocking(False)
         holder: list[Worker] = []  # a slot goes back to the process it belongs to
@@ -120,14 +115,17 @@ class Supervisor(Supervising[Link]):
         if spec.workers.threaded:
             shelf = Shelf()
             ledger = RefLedger(self.spec.workers.slots, release, shelf)
-            thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{k}")
+            thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{worker_id}")
             launch = start_worker(thread, parent, child)
         else:
             ledger = SlotLedger(self.spec.workers.slots, release, lease=self.lease)
             fresh = new_process(spec, child, self.start_method)
+            standby = self._standbys[0] if self._standbys else None
             launch = (start_worker(fresh, parent, child) if standby is None
                       else hand_off_worker(standby, spec, fresh, parent, child))
-        w = WorkerState(k, Link(parent, ledger, launch))
+            if standby is not None:
+                self._standbys.remove(standby)
+        w = WorkerState(worker_id, Link(parent, ledger, launch))
         holder.append(w)
         return w
 
@@ -139,17 +137,6 @@ class Supervisor(Supervising[Link]):
             w.link.close()
             w.link.ledger.close()  # leased batches keep their mapping until they go
             self._retired.append(w)
-
-    async def _reap_retired(self) -> None:
-        """Off the loop, so that retired processes do not linger as zombies."""
-        await asyncio.get_running_loop().run_in_executor(None, self._reap, EXIT_GRACE, True)
-
-    def _new(self, worker_id: int, start: ShardPosition | None, *,
-             ahead: bool = True) -> Worker:  # (it streams unasked; a Rewind is read first)
-        spec = self.spec.for_worker(worker_id)
-        if start is not None:
-            spec = spec.starting_at(start, self.num_workers)
-        return self._spawn(spec)
 
     async def _up(self, w: Worker) -> None:
         # Shielded: cancelling the wait must not cancel a start still queued in the
@@ -167,15 +154,15 @@ class Supervisor(Supervising[Link]):
         for seq, indices in new.sent.items():  # what the retiring one did not answer
             self._ask(new, seq, indices)
         self._watch_new(new)
-        task = asyncio.get_running_loop().create_task(self._reap_retired())
-        _REAPS.add(task)
-        task.add_done_callback(_REAPS.discard)
+        # Off the loop, so that retired processes do not linger as zombies.
+        reaped = asyncio.get_running_loop().run_in_executor(None, self._reap, EXIT_GRACE, True)
+        _REAPS.add(reaped)
+        reaped.add_done_callback(_REAPS.discard)
 
     # ------------------------------------------------------------------ watch
 
     def attach(self) -> None:
-        """Watch every worker's socket and sentinel on the running loop; none once closed (a
-        close from another thread can come between start and attach)."""
+        """Watch every socket and sentinel on this loop (none once closed: from another thread)."""
         if self.closed:
             return
         self._loop = asyncio.get_running_loop()
@@ -370,8 +357,7 @@ class Supervisor(Supervising[Link]):
         return named
 
     async def aclose(self, grace: float) -> None:
-        """Stop every worker and wait for it, without blocking the loop; ``grace``: seconds
-        a worker may take to leave on EOF before it is terminated."""
+        """Stop every worker without blocking the loop: ``grace`` seconds to leave on EOF."""
         if not self._begin_close():
             return
         try:
@@ -403,28 +389,24 @@ class Supervisor(Supervising[Link]):
 
     def _reap(self, grace: float, retired_only: bool = False) -> None:
         with self._reaping:  # the executor's thread and a cancelled caller may both get here
-            self._reap_locked(grace, retired_only)
-
-    def _reap_locked(self, grace: float, retired_only: bool) -> None:
-        everyone = list(self._retired)
-        starts: Starts = {}
-        if not retired_only:
-            if self.standby is not None:  # a start that failed before it used them all
-                unused, self._standbys = self._standbys, []
+            everyone = list(self._retired)
+            starts: Starts = {}
+            if not retired_only:
+                unused, self._standbys = self._standbys, []  # a start that failed early
                 for standby in unused:
                     standby.dismiss()
                     starts[standby.started] = standby.started_process
-            everyone += self.workers
-            everyone += [w.successor for w in self.workers if w.successor is not None]
-        for w in everyone:  # a start in flight joins the schedule once its process exists
-            if w.phase is not Phase.REAPED:
-                starts[w.link.launch.future] = w.link.launch.started_process
-        stop_processes([], grace, starts)
-        for w in everyone:
-            if w.link.launch.started:
-                w.phase = Phase.REAPED  # out of the loop's hands: retired, or closed
-        self._retired = [w for w in self._retired if w.phase is not Phase.REAPED]
-        if retired_only:
-            return
-        for w in everyone:
-            w.link.ledger.close()
+                everyone += self.workers
+                everyone += [w.successor for w in self.workers if w.successor is not None]
+            for w in everyone:  # a start in flight joins the schedule once its process exists
+                if w.phase is not Phase.REAPED:
+                    starts[w.link.launch.future] = w.link.launch.started_process
+            stop_processes(grace, starts)
+            for w in everyone:
+                if w.link.launch.started:
+                    w.phase = Phase.REAPED  # out of the loop's hands: retired, or closed
+            self._retired = [w for w in self._retired if w.phase is not Phase.REAPED]
+            if retired_only:
+                return
+            for w in everyone:
+                w.link.ledger.close()

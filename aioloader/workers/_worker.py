@@ -98,22 +98,18 @@ def _detach_from_parent_signals(spec: WorkerSpec) -> None:
     # Ctrl-C reaches the whole process group: the parent decides, workers must not die
     # half-way through a batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A forked child inherits the parent loop's wake-up fd: signals here would wake it.
-    try:
+    # A forked child inherits the parent loop's wake-up fd: signals here would wake it (not
+    # the main thread of the child: nothing was inherited).
+    with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)
-    except ValueError:  # not the main thread of the child: nothing was inherited
-        pass
     # Python 3.11 keeps the forking thread's running loop in the child (fixed in 3.12).
     asyncio.events._set_running_loop(None)
     if sys.platform.startswith("linux"):
         import ctypes
 
-        pr_set_pdeathsig = 1
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if spec.parent_pid and os.getppid() != spec.parent_pid and os.getppid() == 1:
         os._exit(0)  # the parent died before we got here
     _drop_forkserver_alive_fd()
@@ -158,13 +154,11 @@ def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
 
 
 async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = None) -> int:
-    """Serve the parent on ``sock`` until EOF; the exit code. ``shelf``: a thread worker's,
-    for its batches and its exception, by reference."""
+    """Serve the parent on ``sock`` until EOF; the exit code (``shelf``: a thread's)."""
     chan = Channel(spec.workers.slots, f"aioloader-w{spec.worker_id}", sock, shelf)
     if spec.loads is not None or spec.workers.threaded:
         # Loads in flight (or a thread's async reader) wait on the network, not on us: EOF
-        # (a close) cancels them at once, rather than after the parent's grace period,
-        # past which a thread could only be cancelled anyway.
+        # cancels them at once, rather than after the parent's grace period.
         serving_task = asyncio.current_task()
         assert serving_task is not None
         chan.on_eof = serving_task.cancel
@@ -260,8 +254,7 @@ async def _emit_built(worker: Serving, chan: Channel, event: Build[Any]) -> bool
 
 
 async def _run_index(worker: Serving, chan: Channel) -> None:
-    """Fetch and collate the index batches the parent sends, in its order, until it goes or
-    this worker retires."""
+    """Fetch and collate the parent's index batches, in order, until it goes or we retire."""
     if worker.stage is not None:
         await _run_index_loaded(worker, chan, worker.stage)
         return
@@ -283,8 +276,7 @@ async def _run_index(worker: Serving, chan: Channel) -> None:
 
 
 async def _retire(chan: Channel) -> None:
-    """An index worker retires: the parent gives the tasks it did not answer to a successor,
-    and closes this one once its batches are taken."""
+    """Say so: the parent gives our unanswered tasks to a successor, then closes us."""
     await chan.send(wire.Retiring(None))
     await chan.closed()
 
@@ -295,8 +287,7 @@ async def _tasks(chan: Channel) -> AsyncIterator[wire.Task]:
 
 
 async def _run_index_loaded(worker: Serving, chan: Channel, stage: LoadStage) -> None:
-    """:func:`_run_index` with a load stage: every task starts its loads at once (the stage's
-    gate bounds them), and batches still go out in order."""
+    """:func:`_run_index` with a load stage: loads overlap, batches go out in order."""
     source = worker.spec.source
     retire = worker.retirement
     fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
