@@ -1,8 +1,6 @@
 """A worker's end of its socket: the parent's commands in, framed messages out, arena slots.
 
-A process worker's batches are built straight into a slot of its arena (which grows when a
-batch outgrows a slot); a thread worker's go by reference, on a ``Shelf``.
-"""
+A thread worker's batches go by reference, on a ``Shelf``."""
 
 from __future__ import annotations
 

@@ -48,10 +48,8 @@ class _InProcess:
     """No workers: nothing to start, watch or reap; blocking work runs in one thread, not
     asyncio's default executor, whose threads each have their own malloc arena (a freed
     9.6 MB batch faulted in again: 250-1100 page faults a batch) and OpenMP team (issue 9).
-
-    User code runs (issue 33) in the thread on a user's loop unless ``fetch_on_loop=True``;
-    inline on the sync adapter's own loop, as torch's ``num_workers=0`` does; always in the
-    thread with a ``timeout`` (the timer needs the loop free to fire).
+    Where user code runs (issue 33): docs/architecture.md; with a ``timeout``, always in the
+    thread (the timer needs the loop free to fire).
     """
 
     def __init__(self, pipe: Pipeline, *, timed: bool, skips: SkipLog | None,
@@ -363,20 +361,16 @@ class LocalStream(_InProcess):
         finally:
             await self.end_pass()
 
-    async def _next_batch(self, steps: Work) -> tuple[Any, Any] | BatchFailure | None:
+    async def _next_batch(self, steps: Iterator[Step] | Unhooked[Step],
+                          ) -> tuple[Any, Any] | BatchFailure | None:
         """The next (collated batch, mark) of the pass, its failure, or None at its end."""
         if isinstance(steps, Unhooked):
             async for step in steps:
                 if isinstance(step, Batch):
                     return self._made(step)
             return None
-        return await self.offload(self._collated, steps)
-
-    def _collated(self, steps: Iterator[Step]) -> tuple[Any, Any] | BatchFailure | None:
-        for step in steps:  # in the thread
-            if isinstance(step, Batch):
-                return self._made(step)
-        return None
+        made = (self._made(step) for step in steps if isinstance(step, Batch))
+        return await self.offload(next, made, None)  # read and collated in the thread
 
     def _made(self, batch: Batch) -> tuple[Any, Any] | BatchFailure:
         """``batch`` collated, with its mark, or its failure: the pass goes on (issue 32)."""

@@ -1,9 +1,6 @@
 """A worker's passes, whatever carries its batches: its set-up, then pass after pass.
 
-Written once (issue 34) for a process or thread worker (``_worker``), the Ray actor
-(``_ray_actor``) and the in-process stream (``_local.LocalStream``); building a batch and
-sending it are theirs.
-"""
+Written once (issue 34); building a batch and sending it are the transport's."""
 
 from __future__ import annotations
 

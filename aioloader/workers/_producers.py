@@ -1,8 +1,6 @@
 """Producers over workers, and the parts every producer shares.
 
-A producer answers ``next()`` with a :class:`Delivered` batch or a :class:`PassDone`; the
-loader decides what an epoch is. Workers' batches come from the supervisor as values: no
-producer sees a wire message or a slot. ``_local.py`` has the in-process ones.
+Workers' batches come from the supervisor as values: no producer sees a wire message or a slot.
 """
 
 from __future__ import annotations
@@ -30,11 +28,8 @@ Pool = Supervising[Any]  # process or thread workers, or Ray actors
 
 
 class CachedInstances(Sequence[Any]):
-    """The instances of a cached pass; pickled by value for spawned workers.
-
-    torch's multiprocessing pickler would move every tensor into its own shared-memory
-    segment (one fd each); one plain pickle of the whole list is far cheaper.
-    """
+    """The instances of a cached pass, pickled by value for spawned workers: torch's pickler
+    would move every tensor into a shared-memory segment of its own (one fd each)."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items

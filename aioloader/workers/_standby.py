@@ -1,17 +1,14 @@
 """Spawn standbys (issue 13): worker interpreters started when a loader is made.
 
 A spawned worker imports torch, aioloader and the dataset's module before it can do anything
-(1.3-2.6 s each here). A loader with ``start_method="spawn"`` and process workers starts
-``num_workers`` standbys at once, from the starter thread; each imports those modules and
-waits on its socket. The first session's worker k takes one: its spec is pickled then, so the
-workers see the dataset as it is when the epoch starts, and goes as spawn's start sends it
-(the fds its reducers pass follow with ``SCM_RIGHTS``), with the working directory,
-``sys.path`` and the environment variables that changed since the standby started.
+(1.3-2.6 s each here): a spawn loader's standbys do that at once, from the starter thread,
+then wait on their socket. The first session's worker k takes one, its spec pickled then (the
+dataset as it is when the epoch starts) as spawn's start sends it, with the working
+directory, ``sys.path`` and environment variables changed since the standby started.
 
 Standbys are used once: restarts, successors and later sessions spawn as before (refilling
-the pool would leave processes running where those promise none). A standby gone when its
-turn comes is replaced by a process spawned then; one whose preloading failed fails as a
-spawned worker would, when its spec is unpickled.
+the pool would leave processes running where those promise none); one gone when its turn
+comes is replaced by a process spawned then.
 """
 
 from __future__ import annotations

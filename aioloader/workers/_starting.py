@@ -1,9 +1,6 @@
 """Worker processes: the starter thread, parent sockets, the stop schedule.
 
-What makes or ends a worker process lives here, below the supervisor, which only says what to
-start and when; spawn's standbys are ``_standby``'s, pickling a spec as spawn sends it
-``_pickling``'s.
-"""
+Below the supervisor, which only says what to start and when."""
 
 from __future__ import annotations
 
@@ -33,13 +30,8 @@ T = TypeVar("T")
 
 
 class _Starter:
-    """The starter thread as an executor: processes start from one long-lived thread, as
-    starting can block (spawn writes the spec into a pipe the child reads once it is up), and
-    the forking thread is the "parent" ``PR_SET_PDEATHSIG`` watches.
-
-    One a process: a forked child would inherit an executor that believes its thread idle
-    and queues every call for it (its first loader waited forever for its workers).
-    """
+    """The starter thread as an executor, one a process (docs/architecture.md): starting can
+    block, and the forking thread is the "parent" ``PR_SET_PDEATHSIG`` watches."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -1,10 +1,7 @@
-"""The consumer's side of every supervisor, written once around its Roster: receive, heal,
-restart.
+"""The consumer's side of every supervisor, around its Roster: receive, heal, restart.
 
-Process and thread workers (``_supervisor``) and Ray actors (``_ray``) put what a worker says
-into the same Roster events and act on the same answers; a transport says only how to start,
-ask, wait for, take from, switch, kill and let go of a worker.
-"""
+A transport (processes, threads, Ray actors) says only how to start, ask, wait for, take
+from, switch, kill and let go of a worker."""
 
 from __future__ import annotations
 
@@ -190,11 +187,8 @@ class Supervising(Generic[L]):
 
     async def receive(self, worker_id: int, *, lease: bool = True) -> Arrival:
         """The next batch or pass end of worker ``worker_id``, in the order it sent them.
-
-        Raises the session's failure, :class:`LoaderClosedError` once closed, a worker's own
-        exception in its turn (after its earlier batches), and
-        :class:`~aioloader.workers._phases.WorkerLost` for a death within the budget.
-        """
+        Raises the session's failure, :class:`LoaderClosedError`, a worker's own exception in
+        its turn, and :class:`~aioloader.workers._phases.WorkerLost` for a death healed."""
         while True:
             action = self.roster.next_step(worker_id)
             w = self.workers[worker_id]

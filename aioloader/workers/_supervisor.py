@@ -1,11 +1,7 @@
 """The process transport: the worker processes (or threads) of one session.
 
-The running loop watches each worker's socket and its process sentinel (``add_reader``), so
-a worker that dies without a word is noticed at once, and nothing polls. They are watched
-only while an epoch runs, so a session can outlive one event loop and serve the next. The
-phases are the Roster's, the consumer's side ``Supervising``'s; this is the transport under
-them. A thread worker (``_threads.ThreadWorker``) takes the same paths: a handle that looks
-like a process, and a ledger of batches by reference.
+The running loop watches each worker's socket and process sentinel while an epoch runs, so a
+death without a word is noticed at once and nothing polls (docs/architecture.md).
 """
 
 from __future__ import annotations

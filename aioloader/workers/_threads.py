@@ -1,10 +1,6 @@
 """Thread workers (``worker_type="thread"``): a worker's loop in a thread of this process.
 
-:class:`ThreadWorker` has the part of ``multiprocessing.Process`` the supervisor uses, and
-runs the same :func:`~aioloader.workers._worker.serve` on its own loop, on the other end of a
-``socketpair``. Threads cannot be killed: ``terminate()`` cancels the serving task, which
-stops a worker that awaits; ``kill()`` only stops waiting for one stuck outside its loop.
-"""
+:class:`ThreadWorker` has the part of ``multiprocessing.Process`` the supervisor uses."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """worker_main(spec, sock): the loop of one worker process, a plain function.
 
-A worker collates its batches straight into a free slot of its arena and sends a small header
-over its socket, on its own event loop (readers may be async generators), until its socket's
-EOF. A thread worker (``_threads``) serves the same :func:`serve`, its batches by reference,
-and leaves everything process-wide alone.
-"""
+A thread worker serves the same :func:`serve`, and leaves everything process-wide alone."""
 
 from __future__ import annotations
 
