@@ -8,12 +8,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from .._errors import BatchFailure, WorkerError
 from ..plane import _wire as wire
-from ..plane._dataplane import Ledger, RefLedger
+from ..plane._dataplane import Ledger
 from ._phases import WorkerState
 from ._starting import Handle, Launch, close_parent
-from ._supervising import told_error
 
 
 @dataclass(eq=False)
@@ -88,14 +86,3 @@ class Link:
 
 
 Worker: TypeAlias = WorkerState[Link]
-
-
-def worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
-    """:func:`told_error`, a thread worker's original taken from its shelf."""
-    original: object = None
-    ledger = w.link.ledger
-    if isinstance(ledger, RefLedger):
-        original = (ledger.shelf.error if isinstance(msg, wire.Failed)
-                    else ledger.shelf.errors.pop(msg.seq, None))
-    return told_error(f"worker {w.id} (pid {w.link.pid})", msg, original, worker_id=w.id,
-                      pid=w.link.pid)

@@ -16,13 +16,13 @@ import threading
 import time
 from typing import Any
 
-from .._errors import WorkerDied, WorkerError
+from .._errors import BatchFailure, WorkerDied, WorkerError
 from .._stats import ArenaStats, WorkerStats
 from ..pipeline._loads import SkipLog, SkippedLoad
 from ..plane import _wire as wire
 from ..plane._dataplane import Ledger, RefLedger, Shelf, SlotLedger
 from ..plans._position import ShardPosition
-from ._link import Link, Worker, worker_error
+from ._link import Link, Worker
 from ._phases import (
     ALIVE,
     Inbound,
@@ -41,7 +41,7 @@ from ._starting import (
     start_worker,
     stop_processes,
 )
-from ._supervising import Supervising, worker_stats
+from ._supervising import Supervising, told_error, worker_stats
 from ._threads import ThreadWorker
 
 log = logging.getLogger("aioloader")
@@ -60,7 +60,7 @@ def cpu_queued_ns(pid: int | None) -> int | None:
         return None
 
 
-_REAPS: set[asyncio.Future[None]] = set()  # reaping recycled workers, until done
+_REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
 class Supervisor(Supervising[Link]):
@@ -151,9 +151,10 @@ class Supervisor(Supervising[Link]):
             self._ask(new, seq, indices)
         self._watch_new(new)
         # Off the loop, so that retired processes do not linger as zombies.
-        reaped = asyncio.get_running_loop().run_in_executor(None, self._reap, EXIT_GRACE, True)
-        _REAPS.add(reaped)
-        reaped.add_done_callback(_REAPS.discard)
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self._reap, EXIT_GRACE, True))
+        _REAPS.add(task)
+        task.add_done_callback(_REAPS.discard)
 
     # ------------------------------------------------------------------ watch
 
@@ -204,9 +205,8 @@ class Supervisor(Supervising[Link]):
         try:
             self._drain(w)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, see above
-            self.roster.fail(WorkerError(
-                f"reading from worker {w.id} (pid {w.link.pid}) failed: {exc!r}",
-                worker_id=w.id, pid=w.link.pid))
+            self.roster.fail(WorkerError(f"reading from {self._named(w)} failed: {exc!r}",
+                                         worker_id=w.id, pid=w.link.pid))
             self._fail_cause(exc)
         self._wake()
 
@@ -235,11 +235,19 @@ class Supervisor(Supervising[Link]):
             if slot is not None:
                 w.link.ledger.published(slot)
             inbound: Inbound = msg if not isinstance(msg, (wire.Failed, wire.BatchFailed)) \
-                else worker_error(w, msg)
+                else self._error(w, msg)
             action = self.roster.on_message(w, inbound)
             if action is not None:
                 self._start_successor(action)
         # wire.Progress: hearing it (last_heard) is all it is for
+
+    def _error(self, w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
+        """:func:`told_error`; a thread worker's original comes by reference, from its shelf."""
+        original: object = None
+        if isinstance(ledger := w.link.ledger, RefLedger):
+            original = (ledger.shelf.error if isinstance(msg, wire.Failed)
+                        else ledger.shelf.errors.pop(msg.seq, None))
+        return told_error(self._named(w), msg, original, worker_id=w.id, pid=w.link.pid)
 
     def _on_exit(self, w: Worker) -> None:
         process = w.link.process
@@ -303,9 +311,9 @@ class Supervisor(Supervising[Link]):
         """SIGKILL ends a stopped process too; its exit then takes a crash's path."""
         if w.link.pid is None:
             return False
-        log.warning("worker %d (pid %s) hung: no word for %.1f s (timeout=%s) while the "
-                    "consumer waited for its batch; killing it (SIGKILL) to replace it",
-                    w.id, w.link.pid, w.silenced, silence)
+        log.warning("%s hung: no word for %.1f s (timeout=%s) while the consumer waited "
+                    "for its batch; killing it (SIGKILL) to replace it", self._named(w),
+                    w.silenced, silence)
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.link.pid, signal.SIGKILL)
         return True
