@@ -195,9 +195,7 @@ def _fetch_thread(copier: concurrent.futures.Executor, waiting: ConsumerWaits) -
 
 def _copy_thread() -> None:
     """The copy helper's set-up: torch on one OpenMP thread and, on Linux, ``SCHED_IDLE``
-    where it can be set. While ``decode`` streamed, a 1 ms ticker on the caller's loop woke
-    up to 2.0-2.3 ms late (p99) beside a helper at nice 0, 1.6-2.1 ms at nice 19,
-    1.08-1.16 ms under ``SCHED_IDLE`` and 1.03-1.17 ms without a helper."""
+    where it can be set (docs/performance.md measures why)."""
     ops_on_this_thread()
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
@@ -213,13 +211,9 @@ def _close_sync(it: Iterator[Any] | None) -> None:
 
 
 class LocalIndex(_InProcess):
-    """Index batches of a map-style source, fetched and collated in this process.
-
-    In the thread, fetches run ``ahead`` batches (``prefetch``) in front of the consumer: a
-    batch is usually built while the consumer works on the last one, so the thread hop (two
-    wake-ups, 80-100 us on the 2-core machine) is not waited for. With a load stage, the
-    loads of the next ``ahead`` batches overlap on this loop, and batches come in order.
-    """
+    """Index batches of a map-style source, fetched and collated in this process; in the
+    thread, ``ahead`` (``prefetch``) in front of the consumer, so that the thread hop is not
+    waited for (docs/performance.md); with a load stage, their loads overlap on this loop."""
 
     def __init__(self, dataset: Any, plan: Plan, first_pass: int,
                  collate_fn: Callable[[list[Any]], Any] | None, *, timed: bool,

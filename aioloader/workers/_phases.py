@@ -1,18 +1,8 @@
 """A worker's phases: the supervisor's bookkeeping as pure, synchronous transitions.
 
-A :class:`Roster` holds a supervisor's workers (one :class:`WorkerState`, in one
-:class:`Phase`, each), changes their phases on events and answers with an action to take; the
-supervisor does the awaiting and I/O around them, as httpcore's connection pool does. Nothing
-here touches a socket, a process or a loop (tests/test_supervisor_unit.py)::
-
-    STARTING ──started──> RUNNING ──Retiring──> RETIRING ──hand-over──> HANDED_OVER
-                             │  └──Failed──> FAILED ──exit──> EXITED       │ drained:
-                             └──exit: a death──> LOST ──restart──┐         │ switch
-                                        (budget spent: EXITED)   ▼         ▼
-                              close (any phase) ──────────────> RETIRED ──reaped──> REAPED
-
-A worker's ``link`` (socket, ledger, process) is the supervisor's: the Roster never looks at
-it. The pipe's EOF is the link's, not a phase: it can come before the exit is seen or after.
+A :class:`Roster` holds a supervisor's workers and changes their phases on events, answering
+with what to do; the supervisor does the awaiting and I/O around it. Nothing here touches a
+socket, a process or a loop (the transitions' table: docs/architecture.md).
 """
 
 from __future__ import annotations

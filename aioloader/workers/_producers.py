@@ -86,10 +86,8 @@ class Plans:
         return done
 
     def _plan_early(self) -> None:
-        """The next pass, planned in the thread while this one is consumed (a pass of 192,000
-        indices held the first batch of the bench's second epoch 6.9 ms, torch's 0.37;
-        started at the last batch instead, it was still waited for 4-9 ms). Two plans are
-        held meanwhile (8 bytes an index)."""
+        """The next pass, planned in the thread while this one is consumed (docs/performance.md:
+        the next epoch's first batch). Two plans are held meanwhile (8 bytes an index)."""
         if self.ahead:
             early = asyncio.get_running_loop().run_in_executor(
                 None, self._plan, self._pass + 1)

@@ -1,14 +1,10 @@
 """Spawn standbys (issue 13): worker interpreters started when a loader is made.
 
-A spawned worker imports torch, aioloader and the dataset's module before it can do anything
-(1.3-2.6 s each here): a spawn loader's standbys do that at once, from the starter thread,
-then wait on their socket. The first session's worker k takes one, its spec pickled then (the
-dataset as it is when the epoch starts) as spawn's start sends it, with the working
-directory, ``sys.path`` and environment variables changed since the standby started.
-
-Standbys are used once: restarts, successors and later sessions spawn as before (refilling
-the pool would leave processes running where those promise none); one gone when its turn
-comes is replaced by a process spawned then.
+Each imports what a worker needs at once (docs/architecture.md); the first session's worker k
+takes one, its spec pickled then, as spawn's start sends it, with the working directory,
+``sys.path`` and environment variables changed since it started. Standbys are used once:
+restarts, successors and later sessions spawn as before (refilling the pool would leave
+processes running where those promise none).
 """
 
 from __future__ import annotations

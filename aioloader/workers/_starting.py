@@ -57,9 +57,7 @@ KILL_AFTER = 1.0  # seconds from SIGTERM to SIGKILL (a thread: to giving up on i
 
 # Parent-side sockets of every live worker and standby. A process forked later (another
 # worker) must not hold them open, or a worker would never see EOF when its parent closes or
-# dies. The child also detaches the socket objects it inherited: one collected there later
-# would close whatever its fd number has become by then (uvloop's io_uring fd: SIGABRT,
-# issue 9).
+# dies; it detaches the objects too (docs/architecture.md: uvloop's io_uring fd, issue 9).
 _PARENT_SOCKS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
 

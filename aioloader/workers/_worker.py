@@ -40,10 +40,8 @@ _FORKING = _Forking()
 
 @contextlib.contextmanager
 def forking() -> Iterator[None]:
-    """Around ``Process.start()`` of a worker in this thread: a forked child never
-    collects, so never finalizes, what it inherited (a torch DataLoader iterator in a cycle
-    ran its ``__del__`` there: "can only test a child process", issue 19). The GC is off
-    across the fork, and the child freezes what it inherited first thing."""
+    """Around ``Process.start()`` of a worker in this thread: a forked child never collects,
+    so never finalizes, what it inherited (docs/architecture.md, issue 19)."""
     _FORKING.ours = True
     try:
         yield
@@ -112,10 +110,8 @@ def _detach_from_parent_signals(spec: WorkerSpec) -> None:
 
 
 def _drop_forkserver_alive_fd() -> None:
-    """A forkserver's child holds the write end of the server's "alive" pipe, and the server
-    exits only once no process holds it: a worker stuck in user code kept the server alive
-    after the consumer died, and the server, whose death fires our PR_SET_PDEATHSIG, kept
-    the worker alive (issue 19). A worker has no use for it."""
+    """Close the forkserver's "alive" pipe this child inherited: it kept the server, and so
+    the worker, alive after the consumer died (docs/architecture.md, issue 19)."""
     from multiprocessing import forkserver
 
     server: Any = forkserver._forkserver
@@ -131,9 +127,7 @@ ORPHAN_GRACE = 2.0  # seconds a worker may take to go once its parent hung up, w
 
 def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
     """End this process ORPHAN_GRACE seconds after the parent's end of ``sock`` closes, from
-    a thread of its own: the loop sees that EOF only between two pieces of user code, and a
-    worker stuck in a slow ``__getitem__`` would outlive a parent that died (issue 19; a
-    forkserver's PR_SET_PDEATHSIG fires on the server's death, not the consumer's)."""
+    a thread of its own, whatever its loop is stuck in (docs/architecture.md, issue 19)."""
     rdhup = getattr(select, "POLLRDHUP", None)
     if rdhup is None or not hasattr(select, "poll"):
         return  # not Linux: the parent's escalation is all there is
