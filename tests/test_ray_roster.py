@@ -21,7 +21,8 @@ from aioloader.workers import _ray, _ray_cluster  # noqa: E402
 from aioloader.workers._phases import Phase, RestartBudget, WorkerLost  # noqa: E402
 from aioloader.workers._ray import RaySupervisor  # noqa: E402
 from aioloader.workers._ray_actor import Built, Hello, PassOver, Retire  # noqa: E402
-from aioloader.workers._supervising import Ended, Received, Rewound  # noqa: E402
+from aioloader.workers._steps import Delivered  # noqa: E402
+from aioloader.workers._supervising import Ended, Rewound  # noqa: E402
 
 pytestmark = pytest.mark.deadline(30)
 
@@ -133,13 +134,13 @@ async def test_index_batches_recycle_and_a_death_through_the_roster(
     sup.request(0, 0, [1, 2])
     sup.request(0, 1, [3, 4])
     old.asked("fetch")[0][1].answer(built(0, "b0"))
-    assert await sup.receive(0) == Received("b0", 0, None, 0)
+    assert await sup.receive(0) == Delivered("b0", 0, None, 0)
     assert list(w.sent) == [1] and w.batches == 1 and w.busy == 0.5
 
     # Due for recycling after batch 1: Retiring(None) on the Roster, the successor starts
     # at once, and a task asked now waits for it.
     old.asked("fetch")[1][1].answer(built(1, "b1", retire=True))
-    assert await sup.receive(0) == Received("b1", 1, None, 0)
+    assert await sup.receive(0) == Delivered("b1", 1, None, 0)
     assert w.phase is Phase.HANDED_OVER and sup.budget.recycles == 1 and len(actors) == 2
     sup.request(0, 2, [5])
     assert len(old.asked("fetch")) == 2 and w.sent == {2: [5]}
@@ -153,7 +154,7 @@ async def test_index_batches_recycle_and_a_death_through_the_roster(
     (args, ref), = new.asked("fetch")
     assert args[1:] == (2, [5])
     ref.answer(built(2, "b2"))
-    assert await receiving == Received("b2", 2, None, 0)
+    assert await receiving == Delivered("b2", 2, None, 0)
 
     # A death: the actor's exit and a death counted; WorkerLost, then a restart.
     sup.request(0, 3, [6])
@@ -181,7 +182,7 @@ async def test_a_stream_hands_over_at_its_retire_and_its_error_comes_in_turn(
     old = actors[0]
     first, second = (ref for _, ref in old.asked("next"))  # ``slots`` calls in flight
     first.answer(built(0, "s0"))
-    assert await sup.receive(0) == Received("s0", 0, None, 0)
+    assert await sup.receive(0) == Delivered("s0", 0, None, 0)
     assert len(old.asked("next")) == 3  # topped up as it was taken
     where = ShardPosition(0, batches=1)
     second.answer(Retire(where))
@@ -242,7 +243,7 @@ async def test_a_streams_failed_batch_and_its_rewind_are_the_roster_events_of_a_
     second.answer(wire.BatchFailed(1, "ValueError('bad')", "Traceback: ...", None, None,
                                    [0, 1]))
     actor.asked("rewind")[0][1].answer(wire.Rewound(3))
-    assert await sup.receive(0) == Received("dropped", 0, None, 0)
+    assert await sup.receive(0) == Delivered("dropped", 0, None, 0)
     with pytest.raises(BatchFailure) as failed:
         await sup.receive(0)
     assert "raised ValueError('bad')" in str(failed.value.error)

@@ -16,12 +16,7 @@ from aioloader.plane import _wire as wire
 from aioloader.plane._dataplane import Shelf
 from aioloader.workers import _supervisor
 from aioloader.workers._phases import (
-    CountDeath,
-    Deliver,
-    EndPass,
-    EndRewind,
     Phase,
-    Raise,
     RestartBudget,
     Roster,
     StartSuccessor,
@@ -30,7 +25,8 @@ from aioloader.workers._phases import (
     WorkerLost,
     WorkerState,
 )
-from aioloader.workers._supervising import Ended, Received
+from aioloader.workers._steps import Delivered
+from aioloader.workers._supervising import Ended
 from aioloader.workers._supervisor import Supervisor
 
 pytestmark = pytest.mark.deadline(30)
@@ -68,9 +64,9 @@ def test_batches_are_delivered_in_their_order_then_the_consumer_waits() -> None:
     w = r.workers[0]
     for msg in (batch(0), batch(2, slot=1), wire.PassEnd(0, 0, 2)):
         assert r.on_message(w, msg) is None
-    assert r.next_step(0) == Deliver(batch(0))
-    assert r.next_step(0) == Deliver(batch(2, slot=1))
-    assert r.next_step(0) == EndPass(wire.PassEnd(0, 0, 2))
+    assert r.next_step(0) == batch(0)
+    assert r.next_step(0) == batch(2, slot=1)
+    assert r.next_step(0) == wire.PassEnd(0, 0, 2)
     assert r.next_step(0) == Wait()
     assert r.next_step(1) == Wait()
 
@@ -82,7 +78,7 @@ def test_a_stream_worker_recycles_after_its_last_batches() -> None:
     new = start_successor(r, r.on_message(w, wire.Retiring(POSITION)))
     assert w.phase is Phase.RETIRING and new.phase is Phase.STARTING
     assert r.budget.recycles == 1
-    assert r.next_step(0) == Deliver(batch(0))  # the batches sent before it come first
+    assert r.next_step(0) == batch(0)  # the batches sent before it come first
     assert r.next_step(0) == Switch(0)  # the hand-over read: the successor takes over
     assert w.phase is Phase.HANDED_OVER
     assert r.switched(0) is None
@@ -99,7 +95,7 @@ def test_an_index_worker_hands_its_unanswered_tasks_to_its_successor() -> None:
     new = start_successor(r, r.on_message(w, wire.Retiring(None)))
     assert w.phase is Phase.HANDED_OVER  # new tasks go to the successor from now on
     assert not r.request(0, 4, [8, 9])
-    assert r.next_step(0) == Deliver(batch(0))
+    assert r.next_step(0) == batch(0)
     w.took(batch(0))
     assert r.next_step(0) == Switch(0)
     r.switched(0)
@@ -129,9 +125,9 @@ def test_a_rewind_is_answered_after_what_was_sent_before_it() -> None:
     r.on_message(w, wire.Rewound(3))
     r.on_message(w, batch(0, slot=1))  # pass 3's first
     assert w.rewinding is None  # answered: a successor it starts later is asked nothing
-    assert r.next_step(0) == Deliver(batch(0))  # the pass dropped: the consumer drops it
-    assert r.next_step(0) == EndRewind(wire.Rewound(3))
-    assert r.next_step(0) == Deliver(batch(0, slot=1))
+    assert r.next_step(0) == batch(0)  # the pass dropped: the consumer drops it
+    assert r.next_step(0) == wire.Rewound(3)
+    assert r.next_step(0) == batch(0, slot=1)
 
 
 def test_a_rewind_asked_of_a_retiring_stream_worker_is_its_successors_to_answer() -> None:
@@ -147,7 +143,7 @@ def test_a_rewind_asked_of_a_retiring_stream_worker_is_its_successors_to_answer(
     s1 = start_successor(r, r.switched(0))  # w1's, deferred until now
     assert s1.rewinding == 3  # asked as it starts
     r.on_message(s0, wire.Rewound(3))
-    assert r.next_step(0) == EndRewind(wire.Rewound(3))
+    assert r.next_step(0) == wire.Rewound(3)
     assert r.workers[0] is s0 and s0.rewinding is None
 
 
@@ -179,12 +175,12 @@ def test_a_worker_that_dies_is_lost_after_what_it_sent_then_restarted() -> None:
     r = roster(restarts=1)
     w = r.workers[0]
     r.on_message(w, batch(0))
-    assert r.on_exit(w) == CountDeath(0)
+    assert r.on_exit(w) is True
     r.on_death(w, died(0))
     assert w.phase is Phase.LOST and r.failure is None
-    assert r.next_step(0) == Deliver(batch(0))
+    assert r.next_step(0) == batch(0)
     step = r.next_step(0)
-    assert isinstance(step, Raise) and isinstance(step.error, WorkerLost)
+    assert isinstance(step, WorkerLost)
     assert r.next_step(1) == Wait()  # the others go on
     new = WorkerState(0, "restarted")
     death, gone = r.restart(0, new)
@@ -206,9 +202,9 @@ def test_a_silent_worker_is_hung_only_when_silent_itself_and_healable() -> None:
     assert r.hung(1, 5.0, now) is None  # not running yet: its start is no silence
     assert r.hung(0, 5.0, now) is w and w.silenced == 10.0
     assert r.hung(0, 5.0, now) is None  # killed once
-    assert r.on_exit(w) == CountDeath(0)
+    assert r.on_exit(w) is True
     r.on_death(w, WorkerDied(0, 1000, -9, hung=w.silenced))
-    assert isinstance(r.next_step(0), Raise)
+    assert isinstance(r.next_step(0), BaseException)
     r.restart(0, WorkerState(0, "restarted", phase=Phase.RUNNING))
     assert r.budget.healed == {"hang": 1} and r.budget.restarts == 1
     assert r.workers[0].died is None and not r.budget.room
@@ -219,22 +215,22 @@ def test_a_silent_worker_is_hung_only_when_silent_itself_and_healable() -> None:
 def test_a_death_past_the_budget_fails_the_session() -> None:
     r = roster(restarts=1)
     for k in (0, 1):
-        assert r.on_exit(r.workers[k]) == CountDeath(k)
+        assert r.on_exit(r.workers[k]) is True
         r.on_death(r.workers[k], died(k))
     assert r.workers[0].phase is Phase.LOST
     assert r.workers[1].phase is Phase.EXITED
     assert isinstance(r.failure, WorkerDied) and r.failure.earlier == [r.workers[0].died]
-    assert r.next_step(0) == Raise(r.failure)
+    assert r.next_step(0) is r.failure
 
 
 def test_a_lost_retiring_worker_takes_its_successor_with_it() -> None:
     r = roster(restarts=1)
     w = r.workers[0]
     successor = start_successor(r, r.on_message(w, wire.Retiring(POSITION)))
-    assert r.on_exit(w) == CountDeath(0)
+    assert r.on_exit(w) is True
     r.on_death(w, died(0))
     step = r.next_step(0)  # the hand-over message is read first: it stays lost
-    assert isinstance(step, Raise) and isinstance(step.error, WorkerLost)
+    assert isinstance(step, WorkerLost)
     _, gone = r.restart(0, WorkerState(0, "restarted"))
     assert gone == [w, successor] and successor.phase is Phase.RETIRED
 
@@ -246,12 +242,12 @@ def test_a_failure_is_raised_in_its_turn_and_its_exit_is_no_death() -> None:
     r.on_message(w0, batch(0))
     r.on_message(w0, error)
     assert w0.phase is Phase.FAILED
-    assert r.on_exit(w0) is None and w0.phase is Phase.EXITED
+    assert r.on_exit(w0) is False and w0.phase is Phase.EXITED
     assert r.next_step(1) == Wait()  # not yet: it is worker 0's turn to raise it
-    assert r.next_step(0) == Deliver(batch(0))
-    assert r.next_step(0) == Raise(error)
-    assert r.failure is error and r.next_step(1) == Raise(error)
-    assert r.on_exit(w1) is None  # the session failed: nothing to heal
+    assert r.next_step(0) == batch(0)
+    assert r.next_step(0) is error
+    assert r.failure is error and r.next_step(1) is error
+    assert r.on_exit(w1) is False  # the session failed: nothing to heal
 
 
 def test_close_retires_everyone_once() -> None:
@@ -263,8 +259,8 @@ def test_close_retires_everyone_once() -> None:
     assert all(w.phase is Phase.RETIRED for w in (w0, w1, successor))
     assert r.close() is None
     step = r.next_step(1)
-    assert isinstance(step, Raise) and isinstance(step.error, LoaderClosedError)
-    assert r.on_exit(w1) is None
+    assert isinstance(step, LoaderClosedError)
+    assert r.on_exit(w1) is False
     assert r.on_message(w1, wire.Retiring(POSITION)) is None
 
 
@@ -383,13 +379,13 @@ def test_a_supervisor_delivers_in_order_restarts_a_death_and_recycles(
         sup.request(0, 0, [0, 1])
         assert w0.heard() == [wire.Task(0, [0, 1])]
         w0.say(wire.Batch(0, 0, 0, None), "b0")
-        assert await sup.receive(0) == Received("b0", 0, None, 0)
+        assert await sup.receive(0) == Delivered("b0", 0, None, 0)
         assert w0.heard() == [wire.Release(0)]  # taken by reference: its slot goes back
 
         # A death without a word: what it sent comes first, then a restart heals it.
         w1.say(wire.Batch(1, 1, 0, None), "b1")
         w1.exit(-9)
-        assert await sup.receive(1) == Received("b1", 1, None, 0)
+        assert await sup.receive(1) == Delivered("b1", 1, None, 0)
         with pytest.raises(WorkerLost):
             await sup.receive(1)
         await sup.restart(1)
@@ -401,10 +397,10 @@ def test_a_supervisor_delivers_in_order_restarts_a_death_and_recycles(
         # Recycling a stream worker: the successor starts at once, takes over after.
         w0.say(wire.Batch(1, 2, 0, None), "b2")
         w0.say(wire.Retiring([0, 0, 4, None, 1]))  # ShardPosition.to_data()
-        assert await sup.receive(0) == Received("b2", 2, None, 0)
+        assert await sup.receive(0) == Delivered("b2", 2, None, 0)
         successor = fakes[3]
         successor.say(wire.Batch(0, 3, 0, None), "b3")
-        assert await sup.receive(0) == Received("b3", 3, None, 0)
+        assert await sup.receive(0) == Delivered("b3", 3, None, 0)
         assert sup.workers[0].link.process is successor and sup.budget.recycles == 1
         await sup.aclose(0.0)
         assert all(f.exitcode is not None for f in fakes)  # each one stopped and closed
@@ -435,7 +431,7 @@ def test_a_death_seen_just_before_the_timeout_keeps_the_wait_healing(
             await waiting
         await sup.restart(1)
         fakes[2].say(wire.Batch(0, 1, 0, None), "b1")
-        assert await sup.receive(1) == Received("b1", 1, None, 0)
+        assert await sup.receive(1) == Delivered("b1", 1, None, 0)
         await sup.aclose(0.0)
 
     asyncio.run(main())
@@ -451,7 +447,7 @@ def test_a_supervisor_raises_a_failure_in_its_turn(fakes: list[FakeWorker]) -> N
         w1.say(wire.Failed("KeyError('k')", "Traceback: ...", None))
         w1.exit(1)
         w0.say(wire.Batch(0, 0, 0, None), "b0")
-        assert await sup.receive(0) == Received("b0", 0, None, 0)
+        assert await sup.receive(0) == Delivered("b0", 0, None, 0)
         with pytest.raises(KeyError) as caught:
             await sup.receive(1)
         assert isinstance(caught.value, WorkerError) and caught.value.__cause__ is not None

@@ -1,9 +1,6 @@
 """A worker's end of its socket: the parent's commands in, framed messages out, arena slots.
 
-A process worker's batches are built straight into a slot of its shared-memory arena (the
-arena grows when a batch outgrows a slot, and its new file goes over the socket); a thread
-worker's go by reference, on a :class:`~aioloader.plane._dataplane.Shelf`.
-"""
+A thread worker's batches go by reference, on a ``Shelf``."""
 
 from __future__ import annotations
 
@@ -30,8 +27,6 @@ _PROGRESS_FRAME = wire.encode(wire.Progress())
 
 
 class Channel:
-    """The worker's end of its socket: commands in, framed messages out, arena slots."""
-
     def __init__(self, slots: int, name: str, sock: socket.socket,
                  shelf: Shelf | None) -> None:
         self.slots = slots
@@ -80,10 +75,9 @@ class Channel:
                 fut.set_result(None)
 
     def poll(self) -> None:
-        """Read what the parent sent, now. A sync source never lets the worker's loop wait
-        until its slots are full, so its socket is read only then: a rewind must be seen
-        before the next batch is sent, or a retiring worker's successor would retire in the
-        pass dropped before it read the rewind asked of it (one recv, no wait)."""
+        """Read what the parent sent, now (one recv, no wait). A sync source lets the loop
+        wait only once the slots are full, but a rewind must be seen before the next batch,
+        or a retiring worker's successor would retire in the pass dropped."""
         if not self.eof:
             self._on_readable()
 
@@ -104,14 +98,13 @@ class Channel:
             self.idle += time.monotonic() - began
 
     async def slot(self) -> int | None:
-        """A free slot, reserved; None when the parent went away, or asked for a rewind
-        (what the slot was for belongs to the pass dropped)."""
+        """A free slot, reserved; None when the parent went away or asked for a rewind."""
         if not await self._until(lambda: bool(self.pool.free) or self.rewind is not None):
             return None
         return self.pool.reserve() if self.rewind is None else None
 
     async def closed(self) -> None:
-        """Wait for the parent to close us (a worker that said its last word)."""
+        """Until the parent closes us (a worker that said its last word)."""
         await self._until(lambda: False)
 
     async def task(self) -> wire.Task | None:
@@ -136,11 +129,7 @@ class Channel:
             await self.loop.sock_sendall(self.sock, frame[sent:])
 
     def progress(self) -> None:
-        """Say "still reading" when nothing went out for a while: the parent's timeout
-        measures silence, and a slow reader that keeps producing is not silent.
-
-        Called between instances, when no send is in flight; a full socket skips it.
-        """
+        """Say "still reading" when nothing went out for a while (the timeout's silence)."""
         now = time.monotonic()
         if now - self.last_sent < PROGRESS_EVERY:
             return
@@ -164,11 +153,7 @@ class Channel:
 
     async def emit(self, seq: int, make: Callable[[], Any],
                    mark: Mark | str | None = None) -> bool:
-        """Build one message body in a free slot with ``make()`` and send it.
-
-        The collate writes straight into the slot (its allocator); whatever it made
-        elsewhere is copied in by the encoder. A batch larger than a slot grows the arena.
-        """
+        """Build one body in a free slot with ``make()`` (the collate allocates there), send it."""
         slot = await self.slot()
         if slot is None:
             return False

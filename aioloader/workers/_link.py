@@ -1,8 +1,4 @@
-"""The parent's end of one process (or thread) worker: its socket, its ledger, its start.
-
-What goes through the socket, both ways, and how a worker's exception comes back as the
-consumer's; the supervisor (aioloader/workers/_supervisor.py) decides when.
-"""
+"""The parent's end of one process (or thread) worker: its socket, its ledger, its start."""
 
 from __future__ import annotations
 
@@ -10,20 +6,17 @@ import collections
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import TypeAlias, overload
+from typing import TypeAlias
 
-from .._errors import BatchFailure, WorkerError
 from ..plane import _wire as wire
-from ..plane._dataplane import Ledger, RefLedger
+from ..plane._dataplane import Ledger
 from ._phases import WorkerState
 from ._starting import Handle, Launch, close_parent
-from ._supervising import told_error
 
 
 @dataclass(eq=False)
 class Link:
-    """The parent's end of one worker: its socket and what goes through it, its ledger, its
-    start. The pipe's EOF is a fact of the link, apart from the worker's phase."""
+    """The parent's end of one worker: socket, ledger, start (the pipe's EOF is its own)."""
 
     sock: socket.socket
     ledger: Ledger
@@ -42,8 +35,7 @@ class Link:
         return self.launch.process.pid
 
     def read(self) -> list[wire.Message] | None:
-        """The messages completed by the next bytes on the socket (fds go to ``fds``);
-        None when nothing waits, or at EOF (``eof`` says which)."""
+        """Messages completed by the socket's next bytes; None when none waits or at ``eof``."""
         while not self.eof:
             try:
                 data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 18, 4)
@@ -59,8 +51,7 @@ class Link:
         return None
 
     def send(self, msg: wire.Message) -> bool:
-        """Send ``msg`` as far as the socket takes it now: True when the rest waits in
-        ``outbox`` for the socket to be writable (:meth:`flush`)."""
+        """Send ``msg`` as far as the socket takes it: True when the rest waits (:meth:`flush`)."""
         if self.eof or self.sock.fileno() < 0:
             return False
         frame = wire.encode(msg)
@@ -95,22 +86,3 @@ class Link:
 
 
 Worker: TypeAlias = WorkerState[Link]
-
-
-@overload
-def worker_error(w: Worker, msg: wire.Failed) -> WorkerError: ...
-@overload
-def worker_error(w: Worker, msg: wire.BatchFailed) -> BatchFailure: ...
-def worker_error(w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
-    """The worker's exception as the consumer sees it: a WorkerError that is also of the
-    original's type where possible (``except KeyError:`` still works, as with torch), the
-    worker's traceback in its message, the original as its ``__cause__`` (a thread
-    worker's by reference, so even one that does not pickle). One batch's error comes as
-    that batch's :class:`BatchFailure`."""
-    original: object = None
-    ledger = w.link.ledger
-    if isinstance(ledger, RefLedger):
-        original = (ledger.shelf.error if isinstance(msg, wire.Failed)
-                    else ledger.shelf.errors.pop(msg.seq, None))
-    return told_error(f"worker {w.id} (pid {w.link.pid})", msg, original, worker_id=w.id,
-                      pid=w.link.pid)

@@ -1,9 +1,5 @@
-"""Producers that work in this process (``num_workers=0``): the pipeline, iterated here.
-
-What a worker does with its wire, these do with :mod:`aioloader.pipeline._pipeline` directly: no
-workers to start or reap, and blocking work (a sync source, fetching, collating) in one
-helper thread of their own.
-"""
+"""Producers that work in this process (``num_workers=0``): the pipeline, iterated here, its
+blocking work (a sync source, fetching, collating) in one helper thread of their own."""
 
 from __future__ import annotations
 
@@ -49,49 +45,37 @@ Work = Iterator[Any] | Unhooked[Any] | InOrder[Any, Any]  # one pass's iterator
 
 
 class _InProcess:
-    """No workers: nothing to start, watch or reap; blocking work runs in one thread.
-
-    One dedicated thread, not asyncio's default executor: that one alternates between its
-    threads, each with its own malloc arena (a freed 9.6 MB batch goes back to the kernel
-    and faults in again: 250-1100 page faults a batch) and its own OpenMP team (issue 9;
-    image batches 0.57x -> 1.02x torch's num_workers=0).
-
-    A pass is one iterator of the pipeline (``_work``) and, with a load stage, one stage
-    entered on this loop (its sessions live here) for that pass.
-
-    Where user code runs (issue 33): on a user's loop, in the thread, unless the user asked
-    for the loop (``fetch_on_loop=True``: ``on_loop``); on the sync adapter's own loop,
-    inline, as torch's ``num_workers=0`` does; with a ``timeout``, always in the thread (the
-    timer needs the loop free to fire).
+    """No workers: nothing to start, watch or reap; blocking work runs in one thread, not
+    asyncio's default executor, whose threads each have their own malloc arena (a freed
+    9.6 MB batch faulted in again: 250-1100 page faults a batch) and OpenMP team (issue 9).
+    Where user code runs (issue 33): docs/architecture.md; with a ``timeout``, always in the
+    thread (the timer needs the loop free to fire).
     """
 
     def __init__(self, pipe: Pipeline, *, timed: bool, skips: SkipLog | None,
                  on_loop: bool = False) -> None:
         self.pipe = pipe
         self.activity = Activity()
-        # Signs of life matter only to a timeout: without one, no clock read per instance.
-        self.timed = timed
+        self.timed = timed  # without a timeout, no clock read per instance
         self.touch: Callable[[], None] | None = self.activity.touch if timed else None
         self.private = False  # the loop is the sync adapter's own: blocking it is fine
         self.on_loop = on_loop  # fetch_on_loop=True: the user let fetches block the loop
         self._skips = skips if skips is not None else SkipLog()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # its helper
-        # Whether the consumer waits for the fetch in progress: only then does the helper
-        # copy (``_stacking.copy_helper``). Batches ahead run while the consumer's step
-        # may hold every core, and a chunk the idle-priority helper began then waits for
-        # that step to end.
+        # Only while the consumer waits for the fetch does the helper copy: batches ahead run
+        # while the consumer's step may hold every core, and a chunk the idle-priority helper
+        # began would wait for that step to end.
         self.waiting = ConsumerWaits(now=True)
         self.reuse = True  # until a batch shows it has no large tensor
-        self._work: Work | None = None
-        self._stage: LoadStage | None = None
+        self._work: Work | None = None  # the pass's iterator
+        self._stage: LoadStage | None = None  # the pass's load stage, entered on this loop
 
     async def start(self) -> None:
         pass
 
     async def next(self) -> Delivered | PassDone:
-        """The next batch (or chunk) or pass end; what the source skips itself is reported
-        to the loader's skip log meanwhile (``_loads.report_skipped``)."""
+        """The next batch (or chunk) or pass end; the source's own skips go to the skip log."""
         token = SKIP_REPORT.set(self._skips.add)
         try:
             return await self._next()
@@ -101,7 +85,7 @@ class _InProcess:
     _next: Callable[[], Awaitable[Delivered | PassDone]]  # the producer's own step
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """``fn(*args)`` queued to the fetch thread (started on first use)."""
+        """``fn(*args)`` queued to the fetch thread."""
         if self._thread is None:
             self._copier = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="aioloader-copy", initializer=_copy_thread)
@@ -119,24 +103,21 @@ class _InProcess:
         return (self.private or self.on_loop) and not self.timed
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` here when :attr:`inline`, else in the thread."""
         if self.inline:
             return fn(*args)
         return await self.offload(fn, *args)
 
     def collate(self, items: list[Any], indices: list[Any] | None = None) -> Any:
-        """``items`` collated; while batches are large, their large tensors in reused memory
-        (``aioloader.pipeline._recycle``), by our collate or by torch's ``default_collate``
-        however it is called meanwhile. Small batches skip that (10-14 us a batch: 12 % of
-        tiny's)."""
+        """``items`` collated, large tensors in reused memory (``pipeline._recycle``, torch's
+        ``default_collate`` too) while batches are large; small ones skip that (10-14 us a
+        batch: 12 % of tiny's)."""
         if not self.reuse:
             return self.pipe.collate(items, indices)
         with use_allocator(MEMORY), TORCH_COLLATE_IN_THREADS.scope():
             return self.pipe.collate(items, indices)
 
     def delivered(self, batch: Any, mark: Any = None) -> Delivered:
-        """``batch`` to hand over; its size decides whether the next is built in reused
-        memory."""
+        """``batch``; its size decides whether the next is built in reused memory."""
         nbytes = tensors_nbytes(batch)
         self.reuse = nbytes >= MIN_BYTES
         return Delivered(batch, mark=mark, nbytes=nbytes)
@@ -161,16 +142,13 @@ class _InProcess:
         self.private = False
 
     def heal(self, silence: float) -> bool:
-        """Nothing to kill in this process: a silent fetch times out."""
-        return False
+        return False  # nothing to kill in this process: a silent fetch times out
 
     def behind(self) -> str:
-        """What a timeout waited for: a stream's reader, or a map-style dataset."""
         what = "dataset" if self.pipe.kind is Kind.MAP else "reader"
         return f"the {what} in this process (num_workers=0)"
 
     async def enter_stage(self) -> LoadStage | None:
-        """The pass's load stage, entered on this loop (None: the source has none)."""
         made = self.pipe.stage(None, self._skips.add)
         if made is not None:
             self._stage = await made.__aenter__()
@@ -187,12 +165,17 @@ class _InProcess:
         if stage is not None:
             await stage.__aexit__(None, None, None)
 
+    def _stop(self) -> None:
+        """What a producer drops on either close."""
+
     async def aclose(self, grace: float) -> None:
+        self._stop()
         await self.end_pass()
         self.stop_thread()
 
     def close(self, grace: float) -> None:
         """No loop to wait on here: cancelling is what is left."""
+        self._stop()
         work, self._work = self._work, None
         if isinstance(work, InOrder):
             work.abandon()
@@ -205,19 +188,14 @@ class _InProcess:
 
 
 def _fetch_thread(copier: concurrent.futures.Executor, waiting: ConsumerWaits) -> None:
-    """The fetch thread's set-up: torch on one OpenMP thread, and large stacks shared with
-    ``copier``'s thread while the consumer waits for them (``_stacking.copy_helper``)."""
+    """Torch on one OpenMP thread; large stacks shared with ``copier`` (``copy_helper``)."""
     ops_on_this_thread()
     copy_helper(copier, waiting)
 
 
 def _copy_thread() -> None:
-    """The copy helper's set-up: torch on one OpenMP thread and, on Linux (where a thread has
-    a policy of its own), ``SCHED_IDLE``: it takes a core only while nothing else wants it.
-    While ``decode`` streamed, a 1 ms ticker on the caller's loop woke up to 2.0-2.3 ms late
-    (p99) beside a helper at nice 0, 1.6-2.1 ms at nice 19 (its core is not idle to the
-    scheduler), 1.08-1.16 ms under ``SCHED_IDLE`` and 1.03-1.17 ms without a helper. Where
-    the policy cannot be set (a sandbox), the helper runs as it is."""
+    """The copy helper's set-up: torch on one OpenMP thread and, on Linux, ``SCHED_IDLE``
+    where it can be set (docs/performance.md measures why)."""
     ops_on_this_thread()
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
@@ -233,17 +211,9 @@ def _close_sync(it: Iterator[Any] | None) -> None:
 
 
 class LocalIndex(_InProcess):
-    """Index batches of a map-style source, fetched and collated in this process.
-
-    On the sync adapter's private loop the work runs inline (as torch's ``num_workers=0``
-    does); on a user's loop it runs in the thread, so the loop never runs user code unless
-    ``fetch_on_loop=True`` asked for it. In the thread, fetches run ``ahead`` batches in
-    front of the consumer (``prefetch``): a batch is usually built while the consumer
-    works on the last one, so the thread hop (two thread wake-ups, 80-100 us on the 2-core
-    machine) is not waited for. With a load stage, the loads of the next ``ahead`` batches
-    overlap on this loop (the stage's gate bounds them), and batches come in the plan's
-    order.
-    """
+    """Index batches of a map-style source, fetched and collated in this process; in the
+    thread, ``ahead`` (``prefetch``) in front of the consumer, so that the thread hop is not
+    waited for (docs/performance.md); with a load stage, their loads overlap on this loop."""
 
     def __init__(self, dataset: Any, plan: Plan, first_pass: int,
                  collate_fn: Callable[[list[Any]], Any] | None, *, timed: bool,
@@ -255,9 +225,8 @@ class LocalIndex(_InProcess):
         self._plans = Plans(plan, first_pass, ahead=plan_ahead, skip=skip)
         self._ahead = ahead
         self._ended: PassDone | None = None
-        # Fetches queued to the thread, in the plan's order; a pass end stops the queue
-        # (the next pass is planned only when the consumer gets there: a user's sampler
-        # sees set_epoch first).
+        # Fetches queued to the thread; a pass end stops the queue (a user's sampler sees
+        # set_epoch before the next pass is planned).
         self._queue: collections.deque[concurrent.futures.Future[Any] | PassDone] = (
             collections.deque())
 
@@ -278,9 +247,7 @@ class LocalIndex(_InProcess):
         return self.delivered(self._fetch(indices))
 
     async def _next_ahead(self) -> Delivered | PassDone:
-        """The head of the queue, topped up first so that ``ahead`` fetches stay queued
-        behind it while the consumer holds it. A cancelled wait (a close, a timeout) leaves
-        the head queued: nothing planned is lost."""
+        """The queue's head, ``ahead`` fetches kept behind it; a cancelled wait loses nothing."""
         queue = self._queue
         while (len(queue) <= self._ahead and not self.inline
                and not (queue and isinstance(queue[-1], PassDone))):
@@ -306,8 +273,9 @@ class LocalIndex(_InProcess):
         queue.popleft()
         return self.delivered(batch)
 
-    def _drop_queue(self) -> None:
+    def _stop(self) -> None:
         """Fetches not started are cancelled; one running ends on its own."""
+        self._plans.close()
         queue, self._queue = self._queue, collections.deque()
         for step in queue:
             if not isinstance(step, PassDone):
@@ -341,23 +309,9 @@ class LocalIndex(_InProcess):
             yield step
         self._ended = step
 
-    async def aclose(self, grace: float) -> None:
-        self._plans.close()
-        self._drop_queue()
-        await super().aclose(grace)
-
-    def close(self, grace: float) -> None:
-        self._plans.close()
-        self._drop_queue()
-        super().close(grace)
-
 
 class LocalStream(_InProcess):
-    """Passes over a reader or IterableDataset, batched and collated in this process.
-
-    A sync source without a load stage is read, batched and collated in the thread, one
-    batch a call; an async one (or keys to load) is read on this loop.
-    """
+    """Passes over a reader or IterableDataset (a sync one in the thread), collated here."""
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, options: BatchOptions,
                  collate_fn: Callable[[list[Any]], Any] | None,
@@ -368,8 +322,8 @@ class LocalStream(_InProcess):
                                   rank=rank, world_size=world_size), timed=timed, skips=skips)
         self._shard = ShardTracker(start)
         self._produced = produced
-        self._passes: Unhooked[Event[Delivered | BatchFailure]] = unhooked(
-            passes(start, self._pass, seed_for))
+        self._passes: Unhooked[Event[Delivered | BatchFailure]] = unhooked(passes(
+            start, lambda start, seed: unhooked(self._built(start, seed)), seed_for))
 
     def position(self) -> StreamPosition:
         return StreamPosition((self._shard.position,), 0, (0,), self._produced)
@@ -389,15 +343,9 @@ class LocalStream(_InProcess):
         self._produced = 0
         return done
 
-    def _pass(self, start: ShardPosition,
-              seed: int) -> Unhooked[Delivered | BatchFailure | Boundary]:
-        return unhooked(self._built(start, seed))
-
     async def _built(self, start: ShardPosition,
                      seed: int) -> AsyncIterator[Delivered | BatchFailure | Boundary]:
-        """One pass's batches, collated (a sync source's read and collated in the thread,
-        one hop a batch), inside the pass's load stage; no boundaries (nothing retires
-        here). A batch whose making raised comes as its :class:`BatchFailure`."""
+        """One pass's batches, collated, inside its load stage (nothing retires here)."""
         stage = await self.enter_stage()
         self._work = steps = self.pipe.batches(start, seed, stage, touch=self.touch,
                                                offload=self.offload)
@@ -407,24 +355,19 @@ class LocalStream(_InProcess):
         finally:
             await self.end_pass()
 
-    async def _next_batch(self, steps: Work) -> tuple[Any, Any] | BatchFailure | None:
+    async def _next_batch(self, steps: Iterator[Step] | Unhooked[Step],
+                          ) -> tuple[Any, Any] | BatchFailure | None:
         """The next (collated batch, mark) of the pass, its failure, or None at its end."""
         if isinstance(steps, Unhooked):
             async for step in steps:
                 if isinstance(step, Batch):
                     return self._made(step)
             return None
-        return await self.offload(self._collated, steps)
-
-    def _collated(self, steps: Iterator[Step]) -> tuple[Any, Any] | BatchFailure | None:
-        for step in steps:  # in the thread
-            if isinstance(step, Batch):
-                return self._made(step)
-        return None
+        made = (self._made(step) for step in steps if isinstance(step, Batch))
+        return await self.offload(next, made, None)  # read and collated in the thread
 
     def _made(self, batch: Batch) -> tuple[Any, Any] | BatchFailure:
-        """``batch`` collated, with its mark; or its failure (the source's error, or the
-        collate's), and the pass goes on, as torch's iterator does (issue 32)."""
+        """``batch`` collated, with its mark, or its failure: the pass goes on (issue 32)."""
         if batch.error is not None:
             return BatchFailure(-1, batch.error, batch.mark)
         try:
@@ -438,7 +381,7 @@ class LocalStream(_InProcess):
 
 
 class LocalInstances(_InProcess):
-    """One pass of instances read in this process, in chunks (a sync reader in a thread)."""
+    """One pass of instances read in this process, in chunks."""
 
     def __init__(self, source: Any, kind: Kind, data_path: Any, rank: int,
                  world_size: int, *, timed: bool, loads: LoadOptions | None = None,
@@ -463,5 +406,4 @@ class LocalInstances(_InProcess):
             self._done = True
             await self.end_pass()
             return PassDone(False)
-        # Keys skipped on error count for a worker's position; here they go no further.
         return Delivered([x for x in chunk if not isinstance(x, SkippedLoad)])

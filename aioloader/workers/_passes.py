@@ -1,12 +1,6 @@
 """A worker's passes, whatever carries its batches: its set-up, then pass after pass.
 
-Written once for every transport (issue 34): a process or thread worker wraps these events
-with its wire and arena (``_worker``), the Ray actor turns them into its replies
-(``_ray_actor``), and the in-process producer iterates them (``_local.LocalStream``).
-:func:`passes` decides which pass comes next, from where and with which seed, counts the
-batches of each, and says where a successor takes over when the worker retires; building a
-batch and sending it are the caller's.
-"""
+Written once (issue 34); building a batch and sending it are the transport's."""
 
 from __future__ import annotations
 
@@ -35,8 +29,7 @@ B = TypeVar("B")
 
 @dataclass(frozen=True, slots=True)
 class Build(Generic[B]):
-    """Build batch ``seq`` of the pass (its ``batch``: a :class:`Batch`, a chunk of
-    instances, or what the caller's pass yields) and hand it on."""
+    """Build batch ``seq`` of the pass (a :class:`Batch`, a chunk, ...) and hand it on."""
 
     seq: int
     batch: B
@@ -65,13 +58,12 @@ OpenPass = Callable[[ShardPosition, int], Iterable[B | Boundary] | Unhooked[B | 
 async def passes(start: ShardPosition, open_pass: OpenPass[B], begin: Callable[[int], int],
                  retirement: Retirement | None = None, *,
                  one_pass: bool = False) -> AsyncGenerator[Event[B], None]:
-    """The worker's passes from ``start`` on, one after the other, as events.
+    """The worker's passes from ``start`` on, as events.
 
     ``begin(pass_no)``: called as each pass begins; the pass's seed. A batch counts (for
-    ``retirement``) once the caller asks for the next event, after building it. A worker due
-    to retire goes on to the next block boundary, where a successor can begin (or to the pass
-    end); a resumed worker's frontier holds in its first pass only. ``one_pass``: stop after
-    the first pass end (instances for a cache).
+    ``retirement``) once the caller asks for the next event. A worker due to retire goes on
+    to the next block boundary (or the pass end), where a successor can begin; a resumed
+    worker's frontier holds in its first pass only. ``one_pass``: instances for a cache.
     """
     pass_no = start.pass_no
     while True:
@@ -119,11 +111,7 @@ class Retirement:
 
 
 def own_memory() -> int:
-    """Bytes of memory this process holds alone: its private pages (USS).
-
-    Not the RSS, which counts the pages a forked worker still shares with its parent: a
-    worker's RSS starts as large as the parent's. Copy-on-access growth is private pages.
-    """
+    """Bytes this process holds alone (USS), not its RSS: a fork shares its parent's pages."""
     try:
         with open("/proc/self/smaps_rollup", "rb") as f:
             text = f.read()
@@ -138,30 +126,6 @@ def own_memory() -> int:
     return total
 
 
-def seed_everything(seed: int) -> None:
-    """A worker's global RNGs (Python's, torch's, numpy's) seeded for its worker and pass;
-    a Ray actor's process is ours too, so it is seeded the same way."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % (1 << 32))
-    except ImportError:
-        pass
-
-
-def seed_datapipe(source: Any, base_seed: int, pass_no: int) -> None:
-    """An ``IterDataPipe``'s shufflers seeded alike in every worker for pass ``pass_no``,
-    as torch seeds them from one shared seed per iterator (``apply_random_seed``): a
-    ``.shuffle()`` before ``.sharding_filter()`` then draws one order that the workers'
-    shards partition. Each drew its own before, and the shards overlapped and missed."""
-    if isinstance(source, IterDataPipe):
-        shared = torch.Generator()
-        shared.manual_seed(derive_seed(base_seed, pass_no) & ((1 << 63) - 1))
-        apply_random_seed(source, shared)
-
-
 class Seeding:
     """A worker's :class:`WorkerInfo` and global RNGs: set once as it starts (before
     ``worker_init_fn``), then as each pass begins. The first pass keeps what
@@ -173,12 +137,17 @@ class Seeding:
         self._set(self._seeded, reseed=True)
 
     def begin(self, pass_no: int) -> int:
-        """Pass ``pass_no`` begins: its seed, in the worker info and the RNGs; a datapipe's
-        shufflers get the pass's shared seed (:func:`seed_datapipe`)."""
+        """Pass ``pass_no`` begins: its seed, set in the worker info and the RNGs."""
         seed = self.spec.seed_for(pass_no)
         self._set(seed, reseed=seed != self._seeded)  # not again: worker_init_fn's stays
         self._seeded = -1
-        seed_datapipe(self.spec.source, self.spec.seed, pass_no)
+        if isinstance(self.spec.source, IterDataPipe):
+            # Its shufflers seeded alike in every worker, as torch does: a .shuffle() before
+            # .sharding_filter() draws one order that the shards partition (each drew its
+            # own before, and the shards overlapped).
+            shared = torch.Generator()
+            shared.manual_seed(derive_seed(self.spec.seed, pass_no) & ((1 << 63) - 1))
+            apply_random_seed(self.spec.source, shared)
         return seed
 
     def _set(self, seed: int, reseed: bool) -> None:
@@ -186,14 +155,18 @@ class Seeding:
         threaded = spec.workers.threaded
         set_worker_info(WorkerInfo(spec.workers.num_workers, spec.worker_id, seed, spec.rank,
                                    spec.world_size), dataset=spec.source, thread=threaded)
-        if reseed and not threaded:
-            seed_everything(seed)
+        if reseed and not threaded:  # Python's, torch's and numpy's global RNGs
+            random.seed(seed)
+            torch.manual_seed(seed)
+            with contextlib.suppress(ImportError):
+                import numpy as np
+
+                np.random.seed(seed % (1 << 32))
 
 
 @dataclass
 class Serving:
-    """A worker once set up: its pipeline, its load stage (entered), its seeding, and when
-    it retires (counted across its passes, rewound or not)."""
+    """A worker once set up; its retirement counts across its passes, rewound or not."""
 
     spec: WorkerSpec
     pipe: Pipeline
@@ -203,8 +176,7 @@ class Serving:
 
     def passes(self, touch: Touch | None = None, start: ShardPosition | None = None,
                ) -> AsyncGenerator[Event[Batch | list[Any]], None]:
-        """The stream's passes (batches) from ``start`` (None: where the spec says), or the
-        one pass of instances (in chunks)."""
+        """The stream's passes from ``start`` (None: the spec's), or instances' one pass."""
         spec, pipe, stage = self.spec, self.pipe, self.stage
         start = start if start is not None else spec.start()
         if spec.plan == "instances":
@@ -219,9 +191,7 @@ class Serving:
         return passes(start, batches, self.seeding.begin, self.retirement)
 
     def making(self, built: Batch | list[Any]) -> tuple[Callable[[], Any], Any]:
-        """How a :class:`Build`'s batch becomes the value sent, and its mark: a batch is
-        collated (one the source failed raises its error), a chunk of instances goes as it
-        is (no mark)."""
+        """How a built batch becomes the value sent, and its mark (a chunk goes as it is)."""
         if isinstance(built, Batch):
             if built.error is not None:
                 return functools.partial(_raise, built.error), built.mark
@@ -230,9 +200,7 @@ class Serving:
 
     def answering(self, items: list[Any],
                   indices: list[Any] | None = None) -> tuple[Callable[[], Any], Any]:
-        """How an index task's fetched ``items`` become its answer, and its mark: collated;
-        with a load stage, a batch whose every key was skipped (and reported) is an empty
-        answer, :data:`ALL_SKIPPED`, which the parent passes over."""
+        """An index task's answer and mark: collated, or :data:`ALL_SKIPPED`."""
         if items or self.stage is None:
             return functools.partial(self.pipe.collate, items, indices), None
         return lambda: None, ALL_SKIPPED
@@ -244,10 +212,9 @@ def _raise(error: Exception) -> Any:
 
 @contextlib.asynccontextmanager
 async def serving(spec: WorkerSpec, report: Report) -> AsyncIterator[Serving]:
-    """A worker's set-up, for a process, a thread and a Ray actor alike, in torch's order:
-    worker info and seeds, then ``worker_init_fn`` (in every process that serves the spec: a
-    restarted or recycled worker's too), then the pipeline and its load stage, whose skipped
-    keys go to ``report``. An exception here is the worker's, reported like any other."""
+    """A worker's set-up, in torch's order: worker info and seeds, then ``worker_init_fn``
+    (a restarted or recycled worker's too), then the pipeline and its load stage, whose
+    skipped keys go to ``report``."""
     seeding = Seeding(spec)
     if spec.workers.init_fn is not None:
         spec.workers.init_fn(spec.worker_id)

@@ -1,24 +1,8 @@
 """A worker's phases: the supervisor's bookkeeping as pure, synchronous transitions.
 
-Each worker is one :class:`WorkerState` whose lifecycle is one :class:`Phase`. A
-:class:`Roster` holds a supervisor's workers and changes their phases on events (a wire
-message, an exit, a consumer's request, a switch or restart done) and answers with what to do:
-an action, a small frozen dataclass (:class:`StartSuccessor`, :class:`Switch`, :class:`Raise`,
-:class:`Deliver`, :class:`EndPass`, :class:`EndRewind`, :class:`Wait`, :class:`CountDeath`).
-The supervisor (aioloader/workers/_supervisor.py) executes the actions and does all the
-awaiting and I/O around them, as httpcore's connection pool does. Nothing here touches a
-socket, a process or a loop, so every transition is tested in-process
-(tests/test_supervisor_unit.py)::
-
-    STARTING ──started──> RUNNING ──Retiring──> RETIRING ──hand-over──> HANDED_OVER
-                             │  └──Failed──> FAILED ──exit──> EXITED       │ drained:
-                             └──exit: a death──> LOST ──restart──┐         │ switch
-                                        (budget spent: EXITED)   ▼         ▼
-                              close (any phase) ──────────────> RETIRED ──reaped──> REAPED
-
-A worker's link (its socket, ledger, process) is the supervisor's: ``WorkerState`` carries it
-as ``link`` without looking at it. The pipe's EOF is a fact of the link, not a phase: it
-can come before the process's exit is seen or after (what the exit means is the phase's).
+A :class:`Roster` holds a supervisor's workers and changes their phases on events, answering
+with what to do; the supervisor does the awaiting and I/O around it. Nothing here touches a
+socket, a process or a loop (the transitions' table: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -34,8 +18,7 @@ from ..plane import _wire as wire
 
 
 class WorkerLost(Exception):
-    """Worker ``worker_id`` died and may be restarted: its producer restarts it from the
-    position of the last batch the consumer took (never seen by users)."""
+    """Worker ``worker_id`` died within the budget: its producer restarts it (no user sees it)."""
 
     def __init__(self, worker_id: int) -> None:
         super().__init__(f"worker {worker_id} died")
@@ -58,7 +41,7 @@ class RestartBudget:
         return len(self.deaths) < self.limit
 
     def healing(self, died: WorkerDied) -> None:
-        """``died`` (spent earlier) is being healed: a restart, counted by its kind."""
+        """``died`` (spent earlier) is healed by a restart."""
         self.restarts += 1
         self.healed[died.kind] = self.healed.get(died.kind, 0) + 1
 
@@ -76,8 +59,6 @@ class RestartBudget:
 
 
 class Phase(enum.Enum):
-    """Where one worker is in its life (see the module docstring)."""
-
     STARTING = "starting"  # its start is submitted to the starter thread; not in place yet
     RUNNING = "running"
     RETIRING = "retiring"  # it said Retiring: its successor starts, or waits its turn
@@ -102,7 +83,7 @@ L = TypeVar("L")
 
 @dataclass(eq=False)
 class WorkerState(Generic[L]):
-    """The parent's view of one worker: its phase, what it sent, what it owes, telemetry."""
+    """The parent's view of one worker."""
 
     id: int
     link: L  # the supervisor's: socket, ledger, process
@@ -127,7 +108,6 @@ class WorkerState(Generic[L]):
                 and self.retiring is not None)
 
     def took(self, msg: wire.Batch) -> None:
-        """The consumer took batch ``msg``."""
         self.sent.pop(msg.seq, None)
         self.batches += 1
         self.busy = msg.busy
@@ -138,8 +118,8 @@ class WorkerState(Generic[L]):
 
 @dataclass(frozen=True, slots=True)
 class StartSuccessor:
-    """Start worker ``worker_id``'s successor: from ``position`` (a stream's ShardPosition
-    as data), or, for index batches (None), a worker that gets the tasks not answered."""
+    """Start worker ``worker_id``'s successor, a stream's from ``position`` (data; None:
+    index batches, and it gets the tasks not answered)."""
 
     worker_id: int
     position: Any
@@ -147,35 +127,9 @@ class StartSuccessor:
 
 @dataclass(frozen=True, slots=True)
 class Switch:
-    """Wait for worker ``worker_id``'s successor to be up, then put it in its place
-    (:meth:`Roster.switched`)."""
+    """Put worker ``worker_id``'s successor in its place once it is up."""
 
     worker_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Raise:
-    error: BaseException
-
-
-@dataclass(frozen=True, slots=True)
-class Deliver:
-    """Take batch ``msg`` from the ledger and hand it to the consumer."""
-
-    msg: wire.Batch
-
-
-@dataclass(frozen=True, slots=True)
-class EndPass:
-    msg: wire.PassEnd
-
-
-@dataclass(frozen=True, slots=True)
-class EndRewind:
-    """The worker dropped its pass for the rewind asked of it: what follows is the pass
-    asked for, from its start."""
-
-    msg: wire.Rewound
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,15 +137,11 @@ class Wait:
     """Nothing to hand over yet: wait for the next event."""
 
 
-@dataclass(frozen=True, slots=True)
-class CountDeath:
-    """Worker ``worker_id`` died without a word: find its exit code, then
-    :meth:`Roster.on_death`."""
-
-    worker_id: int
-
-
-Action: TypeAlias = Raise | Deliver | EndPass | EndRewind | StartSuccessor | Switch | Wait
+# An exception is raised to the consumer; a message of the worker's is handed over as it is: a
+# batch (take it from the ledger), a pass end, or the answer to a rewind (what follows is the
+# pass asked for, from its start).
+Action: TypeAlias = (BaseException | wire.Batch | wire.PassEnd | wire.Rewound | StartSuccessor
+                     | Switch | Wait)
 
 
 # ---------------------------------------------------------------------- transitions
@@ -210,8 +160,7 @@ class Roster(Generic[L]):
             self.failure = exc
 
     def started(self, w: WorkerState[L]) -> None:
-        """``w``'s start is done and it is in place: its silence counts from now (a start
-        on a loaded machine is no hang)."""
+        """``w`` is in place: its silence counts from now (a slow start is no hang)."""
         if w.phase is Phase.STARTING and not self.closed:
             w.phase = Phase.RUNNING
             w.heard = time.monotonic()
@@ -253,19 +202,19 @@ class Roster(Generic[L]):
         return StartSuccessor(w.id, w.retiring.position)
 
     def add_successor(self, w: WorkerState[L], new: WorkerState[L]) -> None:
-        """``new``, submitted for starting, is ``w``'s successor (:class:`StartSuccessor`);
-        a rewind ``w`` was asked for and did not answer is ``new``'s to answer."""
+        """``new`` is ``w``'s successor, and answers the rewind ``w`` did not."""
         w.successor = new
         new.rewinding = w.rewinding
 
-    def on_exit(self, w: WorkerState[L]) -> CountDeath | None:
-        """``w``'s process ended (what it sent before is read): a death to count, or none
-        where it failed first, or the session failed or closed."""
+    def on_exit(self, w: WorkerState[L]) -> bool:
+        """``w``'s process ended (what it sent before is read). True: a death without a
+        word, to count (find its exit code, then :meth:`on_death`); not where it failed
+        first, or the session failed or closed."""
         if w.phase not in ALIVE:
-            return None
+            return False
         death = self.failure is None and w.phase is not Phase.FAILED and not self.closed
         w.phase = Phase.EXITED
-        return CountDeath(w.id) if death else None
+        return death
 
     def on_death(self, w: WorkerState[L], died: WorkerDied) -> None:
         """Spend a death on ``died``: ``w`` is lost (a restart heals it), or the run fails."""
@@ -280,7 +229,7 @@ class Roster(Generic[L]):
 
     def request(self, worker_id: int, seq: int, indices: list[int]) -> bool:
         """The consumer asks worker ``worker_id`` for batch ``seq``: True to send it now.
-        A worker handed over answers no more: its successor gets every task it did not
+        A worker handed over answers no more: its successor gets the tasks it did not
         answer, in order, when it takes over."""
         w = self.workers[worker_id]
         w.sent[seq] = indices
@@ -288,9 +237,8 @@ class Roster(Generic[L]):
 
     def rewind(self, worker_id: int, pass_no: int) -> list[WorkerState[L]]:
         """The consumer asks worker ``worker_id``'s stream for pass ``pass_no`` from its start
-        (:class:`EndRewind` once it is answered): the processes to ask. A retiring worker
-        answers no more, so its successor is asked too, now if it is started, else as it
-        starts (:meth:`add_successor`): each successor asked before its first batch, none
+        (``wire.Rewound`` once answered): the workers to ask. A retiring one's successor is
+        asked too, now or as it starts (:meth:`add_successor`), before its first batch: none
         retires in the pass dropped, and the chain of hand-overs ends."""
         w = self.workers[worker_id]
         asked = [w] if w.successor is None else [w, w.successor]
@@ -303,29 +251,25 @@ class Roster(Generic[L]):
         w = self.workers[worker_id]
         while True:
             if self.failure is not None:
-                return Raise(self.failure)
+                return self.failure
             if self.closed:
-                return Raise(LoaderClosedError("the loader was closed"))
+                return LoaderClosedError("the loader was closed")
             if not w.inbox:
                 break
             msg = w.inbox.popleft()
             if isinstance(msg, WorkerError):
                 self.fail(msg)
-                return Raise(msg)
+                return msg
             if isinstance(msg, BatchFailure):  # that batch's error; the session goes on
                 w.sent.pop(msg.seq, None)
-                return Raise(msg)
+                return msg
             if isinstance(msg, wire.Retiring):  # a stream's batches before it are taken
                 if w.phase is Phase.RETIRING:
                     w.phase = Phase.HANDED_OVER
                 continue
-            if isinstance(msg, wire.PassEnd):
-                return EndPass(msg)
-            if isinstance(msg, wire.Rewound):
-                return EndRewind(msg)
-            return Deliver(msg)
+            return msg
         if w.phase is Phase.LOST:  # what it sent before dying was taken first
-            return Raise(WorkerLost(worker_id))
+            return WorkerLost(worker_id)
         if w.deferred and (w.phase is Phase.HANDED_OVER or w.sent):
             return self._start_successor(w)  # the consumer needs this one now: no waiting
         if w.successor is not None and w.phase is Phase.HANDED_OVER:
@@ -333,8 +277,7 @@ class Roster(Generic[L]):
         return Wait()
 
     def switched(self, worker_id: int) -> StartSuccessor | None:
-        """Worker ``worker_id``'s successor is up: it takes the retiring one's place (and
-        the tasks it did not answer, in order); the next hand-over that waited may start."""
+        """Worker ``worker_id``'s successor is up and takes its place, and its tasks."""
         old = self.workers[worker_id]
         new = old.successor
         assert new is not None
@@ -352,8 +295,7 @@ class Roster(Generic[L]):
 
     def restart(self, worker_id: int,
                 new: WorkerState[L]) -> tuple[WorkerDied, list[WorkerState[L]]]:
-        """Worker ``worker_id`` (LOST) is replaced by ``new``, with the same shard and seeds:
-        how the old one died, and the workers whose links to close (:meth:`retire`)."""
+        """Worker ``worker_id`` (LOST) is replaced: how it died, and the links to close."""
         old = self.workers[worker_id]
         assert old.phase is Phase.LOST and old.died is not None, \
             f"worker {worker_id} is not lost"
@@ -362,9 +304,9 @@ class Roster(Generic[L]):
         return old.died, self.retire(old)
 
     def hung(self, worker_id: int, silence: float, now: float) -> WorkerState[L] | None:
-        """The consumer waits for worker ``worker_id``, and nothing at all was heard for
-        ``silence`` seconds: the worker to kill and replace, if it is running, silent that
-        long itself, and the budget can heal one more death. None: the wait times out."""
+        """Nothing was heard for ``silence`` seconds while the consumer waits for worker
+        ``worker_id``: the worker to kill and replace, if it runs, was that silent itself and
+        the budget heals one more death. None: the wait times out."""
         w = self.workers[worker_id]
         if (self.closed or self.failure is not None or not self.budget.room
                 or w.phase not in (Phase.RUNNING, Phase.RETIRING, Phase.HANDED_OVER)
@@ -374,8 +316,7 @@ class Roster(Generic[L]):
         return w
 
     def retire(self, w: WorkerState[L]) -> list[WorkerState[L]]:
-        """Let ``w`` go, and its successor with it (it was retiring when it died): the
-        workers whose links to close."""
+        """Let ``w`` go, with its successor: the workers whose links to close."""
         gone = [w]
         while (after := gone[-1].successor) is not None:
             gone[-1].successor = None

@@ -1,9 +1,4 @@
-"""A worker's spec pickled as spawn and forkserver send it, with the fds its reducers pass.
-
-A spec that cannot be sent fails before any process starts (:func:`check_picklable`); a
-standby (aioloader/workers/_standby.py) gets its spec as :func:`spawn_dumps` makes it, the fds
-beside it, and unpickles it within :func:`fds_passed`.
-"""
+"""A worker's spec pickled as spawn and forkserver send it, with the fds its reducers pass."""
 
 from __future__ import annotations
 
@@ -21,9 +16,7 @@ _RECEIVED: dict[int, int] = {}  # in a standby, while its spec is unpickled: ind
 
 
 def check_picklable(parts: dict[str, Any], start_method: str) -> None:
-    """Raise SourcePicklingError naming the first of ``parts`` (the source, the collate
-    function, ...: what a worker's spec carries) that cannot be pickled as spawn and
-    forkserver send it."""
+    """SourcePicklingError for the first of ``parts`` that spawn could not send."""
     for name, value in parts.items():
         try:
             spawn_dumps(value)  # as the start pickles it, holding no fd
@@ -52,8 +45,7 @@ def spawn_dumps(obj: object) -> tuple[memoryview, list[int]]:
 
 
 class _Passing:
-    """Stands in for spawn's ``Popen`` while a spec is pickled: the fds that reducers pass
-    (``multiprocessing.reduction.DupFd``) are collected, to be sent with ``SCM_RIGHTS``."""
+    """Spawn's ``Popen`` while a spec is pickled: collects the fds reducers pass."""
 
     def __init__(self) -> None:
         self.fds: list[int] = []
@@ -68,7 +60,7 @@ class _Passing:
 
 @dataclass(frozen=True)
 class _PassedFd:
-    """An fd sent with a spec, by its place among the fds that came with it."""
+    """An fd sent with a spec, by its place among those that came with it."""
 
     index: int
 
@@ -78,8 +70,7 @@ class _PassedFd:
 
 @contextlib.contextmanager
 def fds_passed(fds: list[int]) -> Iterator[None]:
-    """While a spec sent with ``fds`` is unpickled, its reducers take them by their place
-    (:class:`_PassedFd`); those none took are closed after."""
+    """While a spec sent with ``fds`` is unpickled (those not taken are closed after)."""
     _RECEIVED.update(enumerate(fds))
     try:
         yield

@@ -1,9 +1,6 @@
-"""Producers: what a session drives to get batches. The shared parts, and the workers' kinds.
+"""Producers over workers, and the parts every producer shares.
 
-Each producer answers ``next()`` with a :class:`Delivered` value or a :class:`PassDone` at
-the end of one pass over the data; the loader decides what an epoch is. Producers never see a
-wire message or a slot: workers' batches come from the supervisor as values. The producers
-that work in this process are in ``_local.py``; ``_setup.py`` makes them all.
+Workers' batches come from the supervisor as values: no producer sees a wire message or a slot.
 """
 
 from __future__ import annotations
@@ -24,22 +21,15 @@ from ..plans._position import BlockStart, ShardPosition, ShardTracker, StreamPos
 from ..plans._sources import shard_spec
 from ._phases import WorkerLost
 from ._steps import Delivered, PassDone, Step
-from ._supervising import Ended, Received, Rewound, Supervising
+from ._supervising import Ended, Rewound, Supervising
 
 Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)
-
-
-# What the producers use of a supervisor: worker processes or threads
-# (``_supervisor.Supervisor``) or Ray actors (``_ray.RaySupervisor``), on one base.
-Pool = Supervising[Any]
+Pool = Supervising[Any]  # process or thread workers, or Ray actors
 
 
 class CachedInstances(Sequence[Any]):
-    """The instances of a cached pass; pickled by value for spawned workers.
-
-    torch's multiprocessing pickler would move every tensor into its own shared-memory
-    segment (one fd each); one plain pickle of the whole list is far cheaper.
-    """
+    """The instances of a cached pass, pickled by value for spawned workers: torch's pickler
+    would move every tensor into a shared-memory segment of its own (one fd each)."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
@@ -59,18 +49,13 @@ def _unpickle_cached(data: bytes) -> CachedInstances:
 
 
 class Plans:
-    """Index batches, pass after pass; the first pass is planned in a thread, off the loop.
+    """Index batches, pass after pass, each planned in a thread: a plan takes as long as the
+    epoch is long (a randperm of millions), or as a user's sampler takes (user code: never
+    on the caller's loop, issue 33).
 
-    A plan takes as long as the epoch is long (millions of indices: a randperm of them), or
-    as a user's sampler takes (user code: never on the caller's loop, issue 33), so every
-    plan is made in a thread.
-
-    ``ahead``: a pass may be planned before the previous one is consumed. True for the
-    loader's own sampling (a pure function of seed and pass); False for a user's sampler,
-    whose ``set_epoch`` the user calls between epochs.
-
-    ``skip``: batches of the first pass delivered before a resume (issue 10); the plan is a
-    lazy sequence, so jumping over them costs nothing.
+    ``ahead``: a pass may be planned before the previous one is consumed; not for a user's
+    sampler, whose ``set_epoch`` the user calls between epochs. ``skip``: batches of the
+    first pass delivered before a resume (issue 10); the plan is lazy, so skipping is free.
     """
 
     def __init__(self, plan: Plan, first_pass: int, *, ahead: bool, skip: int = 0) -> None:
@@ -101,12 +86,8 @@ class Plans:
         return done
 
     def _plan_early(self) -> None:
-        """The next pass, planned in the thread while this one is consumed: at the next
-        epoch's start it is ready, not a thread hop and a plan away (a pass of 192,000
-        indices held the first batch of the bench's second epoch 6.9 ms, torch's 0.37;
-        started at the last batch instead, the plan was still waited for 4-9 ms: the
-        consumer asks for the next epoch at once, and the thread gets the GIL when the loop
-        waits). Two plans are held meanwhile (8 bytes an index)."""
+        """The next pass, planned in the thread while this one is consumed (docs/performance.md:
+        the next epoch's first batch). Two plans are held meanwhile (8 bytes an index)."""
         if self.ahead:
             early = asyncio.get_running_loop().run_in_executor(
                 None, self._plan, self._pass + 1)
@@ -123,12 +104,12 @@ class Plans:
         return await early
 
     def restart(self, pass_no: int) -> None:
-        """Plan pass ``pass_no`` from its start when a batch is next asked for."""
+        """Pass ``pass_no`` from its start, planned when a batch is next asked for."""
         self.close()
         self._batches, self._pass, self._skip = None, pass_no, 0
 
     def close(self) -> None:
-        """Drop a plan made early; its thread finishes it, and nobody waits for it."""
+        """Drop a plan made early (its thread finishes it; nobody waits for it)."""
         early, self._early = self._early, None
         if early is not None:
             early.cancel()
@@ -140,11 +121,6 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 
 
 # ---------------------------------------------------------------------- through workers
-
-def _delivered(got: Received) -> Delivered:
-    """A worker's batch, as the session hands it over."""
-    return Delivered(got.value, got.seq, got.mark, got.nbytes)
-
 
 class _OnWorkers:
     """A producer whose work happens in a supervisor's workers."""
@@ -177,11 +153,7 @@ class _OnWorkers:
 
 
 class WorkerStream(_OnWorkers):
-    """Each worker streams passes over its shard; batches are taken round-robin.
-
-    The order is a function of each shard's batches alone, so the position (each shard's,
-    and whose turn it is) is enough to resume it exactly.
-    """
+    """Each worker streams its shard; batches are taken round-robin, so a position resumes."""
 
     def __init__(self, sup: Pool, start: StreamPosition) -> None:
         self.sup = sup
@@ -197,8 +169,7 @@ class WorkerStream(_OnWorkers):
                               tuple(sorted(self._pending)), self._produced)
 
     def _next_worker(self) -> int:
-        """Round-robin over the workers whose pass is not over yet."""
-        for k in range(self.n):
+        for k in range(self.n):  # round-robin over the workers whose pass is not over yet
             w = (self._rr + k) % self.n
             if w in self._pending:
                 return w
@@ -228,23 +199,20 @@ class WorkerStream(_OnWorkers):
                 self._pending.discard(w)
                 self._shards[w].ended()
                 continue
-            assert isinstance(got, Received), f"{got!r} outside a rewind"
+            assert isinstance(got, Delivered), f"{got!r} outside a rewind"
             self._taken(w, got.mark)
-            return _delivered(got)
+            return got
 
     def _taken(self, w: int, mark: Any) -> None:
-        """Worker ``w``'s batch (or its failure) at ``mark`` is handed over: the next turn
-        is the next worker's."""
+        """Worker ``w``'s batch (or its failure) at ``mark`` is handed over."""
         self._shards[w].delivered(mark)
         self._rr = w + 1
         self._produced += 1
 
     async def rewind(self, pass_no: int) -> None:
-        """Pass ``pass_no`` from its start, on these workers: each is asked to start it
-        again, and what it sent before it says so is taken and dropped (its slots return),
-        as torch's persistent workers drop what they had fetched for an iterator left early
-        and call ``iter(dataset)`` again. A worker lost meanwhile is replaced at the pass's
-        start."""
+        """Pass ``pass_no`` from its start, on these workers: what each sent before it says
+        so is taken and dropped, as torch's persistent workers drop what they fetched for an
+        iterator left early. A worker lost meanwhile is replaced at the pass's start."""
         for w in range(self.n):
             self.sup.rewind(w, pass_no)
         start = ShardPosition(pass_no)
@@ -276,11 +244,7 @@ class _InFlight:
 
 
 class WorkerIndex(_OnWorkers):
-    """The main process plans index batches; worker ``seq % n`` fetches batch ``seq``.
-
-    Batches come back in the plan's order whatever the number of workers. At most
-    ``slots`` requests are outstanding per worker, which is also how many slots it has.
-    """
+    """Worker ``seq % n`` fetches batch ``seq`` of the plan, at most ``slots`` at a time."""
 
     def __init__(self, sup: Pool, plan: Plan, first_pass: int, slots: int, *,
                  plan_ahead: bool = True, skip: int = 0) -> None:
@@ -315,10 +279,10 @@ class WorkerIndex(_OnWorkers):
         got = await self._take(head)
         if got.mark == ALL_SKIPPED:  # every key of it failed and was skipped (reported)
             return await self.next()
-        return _delivered(got)
+        return got
 
-    async def _take(self, head: _InFlight) -> Received:
-        """The batch ``head`` asks for, the queue's first, taken off the queue."""
+    async def _take(self, head: _InFlight) -> Delivered:
+        """The batch of ``head``, the queue's first, taken off the queue."""
         while True:
             try:
                 got = await self.sup.receive(head.worker)
@@ -332,15 +296,13 @@ class WorkerIndex(_OnWorkers):
                 self._queue.popleft()
                 raise
         self._queue.popleft()
-        if not isinstance(got, Received) or got.seq != head.seq:
+        if not isinstance(got, Delivered) or got.seq != head.seq:
             raise AssertionError(f"expected batch {head.seq} from worker {head.worker}, "
                                  f"got {got!r}")
         return got
 
     async def rewind(self, pass_no: int) -> None:
-        """Pass ``pass_no`` from its start, on these workers: the batches in flight are
-        taken and dropped (their slots return to their workers), as torch's persistent
-        workers drop what they prefetched for an iterator left early."""
+        """Pass ``pass_no`` from its start: the batches in flight are taken and dropped."""
         while self._queue:
             head = self._queue[0]
             if isinstance(head, PassDone):
@@ -365,11 +327,8 @@ class WorkerIndex(_OnWorkers):
 
 
 class WorkerInstances(_OnWorkers):
-    """One pass of instances from workers started with the "instances" plan, in chunks.
-
-    Instances are interleaved one by one round-robin, which restores the reader's own order
-    when the loader shards (worker k holds positions k, k + n, ...).
-    """
+    """One pass of instances from workers, in chunks, interleaved one by one round-robin:
+    the reader's own order where the loader shards (worker k holds k, k + n, ...)."""
 
     def __init__(self, sup: Pool) -> None:
         self.sup = sup
@@ -381,7 +340,7 @@ class WorkerInstances(_OnWorkers):
         self._waiting: int | None = None
 
     def _position(self, w: int) -> ShardPosition:
-        """Where worker ``w``'s shard stands after the instances received from it."""
+        """Where worker ``w``'s shard stands after the instances taken from it."""
         spec = self.sup.spec
         index, count = shard_spec(spec.source, spec.kind, w, spec.workers.num_workers, spec.rank,
                                   spec.world_size)
@@ -408,7 +367,7 @@ class WorkerInstances(_OnWorkers):
             self._waiting = None
             if isinstance(got, Ended):
                 self._live.remove(w)
-            elif isinstance(got, Received):  # (one pass of instances is never rewound)
+            elif isinstance(got, Delivered):  # (one pass of instances is never rewound)
                 # keys skipped on error count for the position, and go no further
                 self._bufs[w].extend(x for x in got.value if not isinstance(x, SkippedLoad))
                 self._taken[w] += len(got.value)

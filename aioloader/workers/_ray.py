@@ -258,7 +258,7 @@ class RaySupervisor(Supervising[ActorLink]):
         """``w``'s actor is gone (or its batch went with its node): its exit, and the death
         the Roster counts (lost within the budget, else the session's failure)."""
         w.link.calls.clear()
-        if self.roster.on_exit(w) is not None:
+        if self.roster.on_exit(w):
             self.roster.on_death(w, self._died(w, error))
         self._fail_cause(error)
 

@@ -18,8 +18,7 @@ Plan = Literal["stream", "instances", "index"]
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs; pickled as is for spawn and forkserver. ``workers`` is the
-    loader's config part of that name, as it is (limits, slots, niceness, worker_init_fn)."""
+    """``workers``: the loader's config part of that name, as it is."""
 
     source: Any
     kind: Kind
@@ -61,7 +60,6 @@ class WorkerSpec:
         return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
 
     def pipeline(self) -> Pipeline:
-        """What this worker reads, and how it becomes batches."""
         return Pipeline(self.source, self.kind, self.data_path, self.options, self.collate_fn,
                         self.loads, self.worker_id, self.workers.num_workers, self.rank,
                         self.world_size)

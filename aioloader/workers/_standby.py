@@ -1,30 +1,10 @@
 """Spawn standbys (issue 13): worker interpreters started when a loader is made.
 
-A spawned worker imports torch, aioloader and the dataset's
-module before it can do anything (1.3-2.6 s each here), and torch's loader pays that after the
-first ``iter()``. A loader made with ``start_method="spawn"`` and process workers starts
-``num_workers`` standby processes at once, from the starter thread: each is spawned like a
-worker (a fresh interpreter, nothing inherited), imports those modules in
-:func:`standby_main`, then waits on its socket.
-
-When the loader's first session starts its workers, worker k takes a standby: its spec is
-pickled then, in the starter thread, so the workers see the dataset as it is when the epoch
-starts, as with torch. The spec goes as spawn's own start sends it: pickled by
-``ForkingPickler`` while a stand-in for spawn's ``Popen`` collects the fds its reducers pass
-(the worker's socket, tensors' shared memory), which follow with ``SCM_RIGHTS``. With it goes
-what a process spawned at that moment would take from the parent and this one took earlier:
-the working directory, ``sys.path`` and the environment variables that changed since the
-standby started.
-
-Standbys are used once. The first session that starts workers takes the whole pool, and the
-ones it does not use (its start failed) are reaped with it; restarts, successors and later
-sessions (``persistent_workers=False``, after a close) spawn as before: refilling the pool
-would leave processes running where those promise none. A standby that is gone when its turn
-comes (killed, say) is replaced by a process spawned then, without an error (one that dies
-in the instant between that check and the send dies as a worker would). A standby whose
-preloading fails goes on: unpickling the spec imports the module again and fails there as a
-spawned worker's would. Closing or dropping a loader closes its standbys' sockets (EOF: they
-exit) and reaps them; a forked child never holds those sockets.
+Each imports what a worker needs at once (docs/architecture.md); the first session's worker k
+takes one, its spec pickled then, as spawn's start sends it, with the working directory,
+``sys.path`` and environment variables changed since it started. Standbys are used once:
+restarts, successors and later sessions spawn as before (refilling the pool would leave
+processes running where those promise none).
 """
 
 from __future__ import annotations
@@ -59,7 +39,6 @@ from ._starting import (
     start_child,
     start_launch,
     stop_processes,
-    unlist,
 )
 from ._worker import worker_main
 
@@ -69,8 +48,7 @@ _FDS_PER_MESSAGE = 250  # SCM_MAX_FD is 253 on Linux
 
 @dataclass(frozen=True)
 class Surroundings:
-    """What a spawned process takes from its parent when it starts (spawn's preparation
-    data and the environment)."""
+    """What a spawned process takes from its parent when it starts."""
 
     cwd: str
     path: tuple[str, ...]
@@ -90,8 +68,7 @@ class Surroundings:
 
 @dataclass(frozen=True)
 class Changes:
-    """How the parent's surroundings changed since a standby started: applied in the
-    standby before its spec is unpickled."""
+    """How the parent's surroundings changed since a standby started."""
 
     cwd: str | None
     path: tuple[str, ...] | None
@@ -118,20 +95,20 @@ class Standby:
     started: concurrent.futures.Future[None] = field(
         default_factory=concurrent.futures.Future)
 
-    def start(self, child: socket.socket) -> None:
-        """In the starter thread."""
+    def start(self, child: socket.socket) -> None:  # in the starter thread
         try:
             self.surroundings = Surroundings.now()
             start_child(self.process)
-            unlist(self.process)
         finally:
             child.close()
 
     def hand_off(self, spec: WorkerSpec, worker_sock: socket.socket) -> bool:
-        """In the starter thread: make this process worker ``spec.worker_id``, talking over
-        ``worker_sock``. False when it is gone (it is reaped): spawn another instead."""
+        """In the starter thread: become worker ``spec``; False when gone (spawn another)."""
         try:
-            if self.started.exception() is not None or self.exited():
+            # Its sentinel, not ``exitcode``: the kernel closes a dying process's fds before
+            # ``waitpid`` can reap it, and its spec would go to a socket not closed yet.
+            if self.started.exception() is not None or multiprocessing.connection.wait(
+                    [self.process.sentinel], timeout=0):
                 release([self], 0.0)
                 return False
             assert self.surroundings is not None
@@ -146,24 +123,16 @@ class Standby:
         finally:
             self.dismiss()
 
-    def exited(self) -> bool:
-        """Whether the started process has exited. Its sentinel, not ``exitcode``: the
-        kernel closes a dying process's fds (the sentinel first when its number is lower)
-        before ``waitpid`` can reap it, so a parent that saw the sentinel could still find
-        ``exitcode`` None, and hand its spec to a socket the dying process has not closed."""
-        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout=0))
-
     def dismiss(self) -> None:
-        """Close our end: a standby still waiting sees EOF and exits."""
+        """EOF: a standby still waiting exits."""
         close_parent(self.sock)
 
     def started_process(self) -> BaseProcess | None:
-        """The process once its start is done; None if that start failed."""
         return self.process if self.started.exception() is None else None
 
 
 class StandbyPool:
-    """A loader's standby processes, until its first session takes them or it goes."""
+    """A loader's standby processes, until its first session takes them."""
 
     def __init__(self, source: Any, count: int) -> None:
         self._modules = preload_modules(source)
@@ -175,12 +144,7 @@ class StandbyPool:
         self.owner_pid = os.getpid()
 
     def start(self, parts: dict[str, Any]) -> None:
-        """Spawn the standbys from the starter thread; returns at once.
-
-        ``parts`` (what the workers' spec will carry, by name: ``WorkerSpec.parts()``) are
-        pickled there first: if one cannot be, no standby starts, and the first epoch
-        fails with SourcePicklingError before any process starts, as it would without them.
-        """
+        """Spawn the standbys from the starter thread (none if ``parts`` do not pickle)."""
         self._starting = STARTER.submit(self._start, parts)
 
     def _start(self, parts: dict[str, Any]) -> None:
@@ -201,14 +165,14 @@ class StandbyPool:
                 self._idle.append(standby)
 
     def take_all(self) -> list[Standby]:
-        """The standbys, for the first session that starts workers; the pool is done."""
+        """The standbys, for the first session that starts workers."""
         with self._lock:
             self._done = True
             taken, self._idle = self._idle, []
         return taken
 
     def pids(self) -> list[int | None]:
-        """The idle standbys' pids, once started (diagnostics and tests)."""
+        """The idle standbys' pids, once started (for tests)."""
         if self._starting is not None:
             self._starting.result()
         with self._lock:
@@ -217,22 +181,19 @@ class StandbyPool:
         return [s.process.pid for s in idle]
 
     def close(self, grace: float = EXIT_GRACE) -> None:
-        """Dismiss the standbys no session took, and reap them."""
         if os.getpid() == self.owner_pid:
             release(self.take_all(), grace)
 
 
 def release(standbys: list[Standby], grace: float) -> None:
-    """Dismiss ``standbys`` and reap them: EOF, ``grace`` seconds, then SIGTERM and SIGKILL,
-    as the supervisor reaps its workers. One still starting joins the schedule once it
-    exists (:func:`stop_processes`); one whose start failed has nothing to reap."""
+    """Dismiss ``standbys`` and reap them on the workers' stop schedule."""
     for standby in standbys:
         standby.dismiss()
-    stop_processes([], grace, {s.started: s.started_process for s in standbys})
+    stop_processes(grace, {s.started: s.started_process for s in standbys})
 
 
 def standby_main(sock: socket.socket, modules: list[str]) -> None:
-    """A standby's life: import what a worker needs, wait for a spec, be that worker."""
+    """Import what a worker needs, wait for a spec, be that worker."""
     # Ctrl-C reaches the whole process group: the parent decides (as in a worker).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in modules:
@@ -249,8 +210,7 @@ def standby_main(sock: socket.socket, modules: list[str]) -> None:
 
 def hand_off_worker(standby: Standby, spec: WorkerSpec, fresh: BaseProcess,
                     parent: socket.socket, child: socket.socket) -> Launch:
-    """Submit the hand-off of ``spec`` to ``standby``; where the standby is gone, the process
-    ``fresh`` is started instead."""
+    """Submit the hand-off of ``spec`` to ``standby`` (``fresh`` where it is gone)."""
     launch = Launch(standby.process, parent)
     launch.future = STARTER.submit(_hand_off, launch, spec, child, standby, fresh)
     return launch
@@ -258,8 +218,7 @@ def hand_off_worker(standby: Standby, spec: WorkerSpec, fresh: BaseProcess,
 
 def _hand_off(launch: Launch, spec: WorkerSpec, child: socket.socket, standby: Standby,
               fresh: BaseProcess) -> None:
-    """In the starter thread: ``standby`` becomes the worker, given ``spec`` (pickled now, so
-    it carries the dataset as it is when the epoch starts) and ``child``."""
+    """In the starter thread: ``standby`` becomes the worker, given ``spec`` and ``child``."""
     if launch.sock.fileno() < 0:  # stopped before its turn (see start_launch): unused
         standby.dismiss()
         launch.started = standby.started_process() is not None  # reaped with the others

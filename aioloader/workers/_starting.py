@@ -1,22 +1,6 @@
-"""Starting worker processes: the starter thread, parent sockets, the stop schedule.
+"""Worker processes: the starter thread, parent sockets, the stop schedule.
 
-What makes or ends a worker process lives here, below the supervisor, which only says
-what to start and when; spawn's standbys are aioloader/workers/_standby.py's, and pickling a
-spec as spawn sends it aioloader/workers/_pickling.py's:
-
-* **The starter thread** (:data:`STARTER`). Processes start from one long-lived thread:
-  starting can block (spawn writes the pickled spec into a pipe the child reads only once
-  Python is up), and the thread that forks a child is the "parent" ``PR_SET_PDEATHSIG``
-  watches, so it must outlive the workers. A :class:`Launch` is one worker's start there.
-  One a process: a forked child (a user's ``multiprocessing.Process``) starts its own.
-* **Parent sockets.** The parent's end of every live worker's socket is registered
-  (:func:`socket_pair`); a process forked later (another worker) closes them at once, or a
-  worker would never see EOF when its parent closes or dies.
-* **Forkserver warm-up** (:func:`warm_forkserver`, :func:`preload_modules`): a server
-  started when a loader is made, so its imports overlap the script's own set-up.
-* **The stop schedule** (:func:`stop_processes`): EOF, ``grace``, SIGTERM, :data:`KILL_AFTER`,
-  SIGKILL, for every process of a session at once, starts in flight included (issue 19).
-"""
+Below the supervisor, which only says what to start and when."""
 
 from __future__ import annotations
 
@@ -31,7 +15,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, TypeAlias, TypeVar
@@ -46,12 +30,8 @@ T = TypeVar("T")
 
 
 class _Starter:
-    """The starter thread (one a process, started on first use) as an executor.
-
-    A forked child has none of its parent's threads, but would inherit an executor that
-    believes its thread idle and queues every call for it: the first loader a child made
-    after its parent had used one waited forever for its workers. A child starts its own.
-    """
+    """The starter thread as an executor, one a process (docs/architecture.md): starting can
+    block, and the forking thread is the "parent" ``PR_SET_PDEATHSIG`` watches."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -75,13 +55,9 @@ STARTER = _Starter()
 EXIT_GRACE = 1.0  # seconds a process told to go (EOF) gets before SIGTERM, where no one says
 KILL_AFTER = 1.0  # seconds from SIGTERM to SIGKILL (a thread: to giving up on it)
 
-# What a worker's spec carries of the user's: it must pickle for spawn and forkserver.
-
 # Parent-side sockets of every live worker and standby. A process forked later (another
 # worker) must not hold them open, or a worker would never see EOF when its parent closes or
-# dies. The child also detaches the socket objects it inherited: one collected there later
-# would close whatever its fd number has become by then (uvloop's io_uring fd: SIGABRT,
-# issue 9).
+# dies; it detaches the objects too (docs/architecture.md: uvloop's io_uring fd, issue 9).
 _PARENT_SOCKS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
 
@@ -103,14 +79,13 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def close_parent(sock: socket.socket) -> None:
-    """Close the parent's end of a socket pair: EOF, the child's signal to go."""
+    """EOF: the child's signal to go."""
     _PARENT_SOCKS.discard(sock)
     sock.close()
 
 
 class Handle(Protocol):
-    """What the supervisor and the stop schedule use of a worker: a process, or a
-    ``ThreadWorker`` (aioloader/workers/_threads.py) that looks like one."""
+    """What the supervisor uses of a worker: a process, or a ``ThreadWorker``."""
 
     @property
     def pid(self) -> int | None: ...
@@ -144,7 +119,7 @@ class Launch:
     started: bool = False  # set in the starter thread: a process (or thread) runs
 
     def started_process(self) -> Handle | None:
-        """The process once the start is done; None if the start failed before it."""
+        """The process once the start is done; None if it failed before."""
         return self.process if self.started else None
 
 
@@ -159,25 +134,20 @@ def new_process(spec: WorkerSpec, child: socket.socket, start_method: str) -> Ba
 
 
 def start_worker(process: Handle, parent: socket.socket, child: socket.socket) -> Launch:
-    """Submit the start of ``process`` (a thread worker owns ``child``: it closes it)."""
+    """Submit the start of ``process`` (a thread worker closes ``child`` itself)."""
     launch = Launch(process, parent)
     launch.future = STARTER.submit(start_launch, launch, child)
     return launch
 
 
-def unlist(process: BaseProcess) -> None:
-    """multiprocessing polls every child it knows of whenever any process starts
-    (process._cleanup): another loader's start would then race our reaping for the exit
-    status (waitpid), and Process.close() could find "still running". We alone reap."""
-    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
-
-
 def start_child(process: BaseProcess) -> None:
-    """``process.start()``. In a process that spawn is still preparing (it re-runs the
-    parent's script to import the main module, and the script has no ``__main__`` guard),
-    multiprocessing refuses with a RuntimeError about "bootstrapping": that process then
-    says why on stderr and exits with :data:`UNGUARDED_MAIN_EXIT`, which its parent's
-    ``WorkerDied`` explains, instead of a bare "exit code 1" (issue 36)."""
+    """``process.start()``, then unlisted: multiprocessing polls every child it knows of
+    whenever any process starts, which would race our reaping for the exit status.
+
+    In a process that spawn is still preparing (it re-runs the parent's script, which has
+    no ``__main__`` guard), multiprocessing refuses with a RuntimeError about
+    "bootstrapping": that process then says why on stderr and exits with
+    :data:`UNGUARDED_MAIN_EXIT`, which its parent's ``WorkerDied`` explains (issue 36)."""
     try:
         process.start()
     except RuntimeError:
@@ -187,6 +157,7 @@ def start_child(process: BaseProcess) -> None:
                          f"{UNGUARDED_MAIN}.\n")
         sys.stderr.flush()
         os._exit(UNGUARDED_MAIN_EXIT)
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
 
 
 def start_launch(launch: Launch, child: socket.socket) -> None:
@@ -203,28 +174,23 @@ def start_launch(launch: Launch, child: socket.socket) -> None:
         with forking():  # fork: the worker never finalizes what it inherits (issue 19)
             start_child(process)
         launch.started = True
-        unlist(process)
     finally:
         child.close()
 
 
 # ---------------------------------------------------------------------- the stop schedule
 
-def stop_processes(processes: Sequence[Handle], grace: float,
-                   starts: Starts | None = None) -> None:
-    """Stop ``processes`` (started, and told to go: EOF) on one schedule, measured from
-    now: ``grace`` seconds to exit, then terminate, KILL_AFTER seconds later kill (a thread:
-    cancel it, then stop waiting); join and close each.
+def stop_processes(grace: float, starts: Starts) -> None:
+    """Stop the processes of ``starts`` (told to go: EOF) on one schedule from now: ``grace``
+    seconds to exit, then terminate, KILL_AFTER seconds later kill; join and close each.
 
-    ``starts``: starts in flight, each future mapped to what gives its process once it is
-    done (None: nothing started). A process that starts meanwhile joins the schedule where
-    it then is (past the deadline to terminate: terminated at once), and every wait runs to
-    the same deadline, so nothing adds up per worker or per start (issue 19: a stop must be
-    prompt under load). Only a start that outlasts the whole schedule is waited for, and
-    its process killed the moment it exists.
+    ``starts``: each start, done or in flight, and what gives its process (None: none). A
+    process that starts meanwhile joins the schedule where it then is, and every wait runs
+    to the same deadline, so nothing adds up per worker or per start (issue 19: a stop must
+    be prompt under load). Only a start that outlasts the whole schedule is waited for.
     """
-    started: list[Handle] = list(processes)
-    waiting: Starts = dict(starts or {})
+    started: list[Handle] = []
+    waiting: Starts = dict(starts)
     taken: list[str] = []  # the escalations so far, for a process that starts late
     deadline = time.monotonic() + grace
     for escalate in (None, "terminate", "kill"):
@@ -247,8 +213,7 @@ def stop_processes(processes: Sequence[Handle], grace: float,
 
 def _take_started(waiting: Starts, started: list[Handle], taken: list[str],
                   deadline: float | None) -> None:
-    """Wait for the starts in ``waiting`` until ``deadline`` (None: for all of them); each
-    process started meanwhile gets the escalations ``taken`` so far, and joins ``started``."""
+    """Wait for ``waiting`` until ``deadline``; a process started gets the ``taken`` steps."""
     if not waiting:
         return
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -265,13 +230,7 @@ def _take_started(waiting: Starts, started: list[Handle], taken: list[str],
 # ---------------------------------------------------------------------- forkserver
 
 def warm_forkserver(source: Any) -> None:
-    """Start multiprocessing's forkserver now, in the background, preloaded for ``source``.
-
-    Called when a loader with ``start_method="forkserver"`` is made: the server imports
-    torch, aioloader and the dataset's module while the user's script goes on setting up,
-    so the first epoch forks its workers from a warm server. The server is the process's
-    one forkserver (multiprocessing's), kept until the process exits, as after any epoch.
-    """
+    """Start the forkserver now, in the background: the first epoch forks from it warm."""
     def start() -> None:
         import multiprocessing.forkserver
 
@@ -284,11 +243,9 @@ def warm_forkserver(source: Any) -> None:
 
 
 def preload_modules(source: Any) -> list[str]:
-    """What a forkserver imports once, before it forks any worker: the main module (the
-    multiprocessing default this list replaces), torch and aioloader, and the module of the
-    source's class. Each worker then forks from it warm instead of importing them itself
-    (0.7-0.9 s a worker measured here, issue 13). Only the server's first start reads it;
-    a module that fails to import is skipped there. Spawn standbys import the same list."""
+    """What a forkserver (or a spawn standby) imports before it forks any worker: the main
+    module, torch and aioloader, and the module of the source's class (0.7-0.9 s a worker
+    saved here, issue 13). A module that fails to import is skipped there."""
     modules = ["__main__", "aioloader.workers._worker"]
     home = getattr(type(source), "__module__", None)
     if isinstance(home, str) and home not in ("__main__", "builtins"):

@@ -1,26 +1,14 @@
-"""The process transport: owns the worker processes (or threads) of one session.
+"""The process transport: the worker processes (or threads) of one session.
 
-The parent side of every worker is one non-blocking socket whose fd the running event loop
-watches with ``add_reader``, plus the process sentinel, watched the same way, so that a
-worker that dies without a word is noticed at once. No polling: the loop wakes on bytes, on
-EOF and on process exit. Readers are attached only while an epoch runs, so a session can
-outlive one event loop and serve the next.
-
-Decide, then await: which phase each worker is in and what a message, an exit or a
-consumer's request leads to is the :class:`~aioloader.workers._phases.Roster`'s, pure and
-synchronous; the consumer's side of it (receive, heal, restart) is
-:class:`~aioloader.workers._supervising.Supervising`'s, shared with Ray's actors. This module
-is the transport under them: sockets, sentinels, arenas. Starting and stopping processes is
-aioloader/workers/_starting.py's. Batches come through each worker's
-:class:`~aioloader.plane._dataplane.SlotLedger`; the supervisor has no batch logic of its own.
-Thread workers (``_threads.ThreadWorker``) go through the same paths: a handle that looks
-like a process, a socket, and a ledger of batches by reference.
+The running loop watches each worker's socket and process sentinel while an epoch runs, so a
+death without a word is noticed at once and nothing polls (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -28,13 +16,13 @@ import threading
 import time
 from typing import Any
 
-from .._errors import WorkerDied, WorkerError
+from .._errors import BatchFailure, WorkerDied, WorkerError
 from .._stats import ArenaStats, WorkerStats
 from ..pipeline._loads import SkipLog, SkippedLoad
 from ..plane import _wire as wire
 from ..plane._dataplane import Ledger, RefLedger, Shelf, SlotLedger
 from ..plans._position import ShardPosition
-from ._link import Link, Worker, worker_error
+from ._link import Link, Worker
 from ._phases import (
     ALIVE,
     Inbound,
@@ -53,7 +41,7 @@ from ._starting import (
     start_worker,
     stop_processes,
 )
-from ._supervising import Supervising, worker_stats
+from ._supervising import Supervising, told_error, worker_stats
 from ._threads import ThreadWorker
 
 log = logging.getLogger("aioloader")
@@ -71,11 +59,12 @@ def cpu_queued_ns(pid: int | None) -> int | None:
     except (OSError, IndexError, ValueError):
         return None
 
+
 _REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
 class Supervisor(Supervising[Link]):
-    """Starts ``num_workers`` processes for ``spec`` and moves messages to and from them."""
+    """Starts ``num_workers`` processes for ``spec``, moves messages to and from them."""
 
     def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
                  lease: bool = True, budget: RestartBudget | None = None,
@@ -105,17 +94,12 @@ class Supervisor(Supervising[Link]):
         if self.start_method != "fork" and not self.spec.workers.threaded:
             check_picklable(self.spec.parts(), self.start_method)
 
-    def _first(self, worker_id: int) -> Worker:
-        standby = self._standbys[0] if self._standbys else None
-        w = self._spawn(self.spec.for_worker(worker_id), standby)
-        if standby is not None:
-            self._standbys.remove(standby)
-        return w
-
-    def _spawn(self, spec: WorkerSpec, standby: Standby | None = None) -> Worker:
-        """A worker registered and submitted for starting (see :meth:`start`); with
-        ``standby``, that process becomes the worker unless it is gone."""
-        k = spec.worker_id
+    def _new(self, worker_id: int, start: ShardPosition | None, *,
+             ahead: bool = True) -> Worker:  # (it streams unasked; a Rewind is read first)
+        """A worker submitted for starting, from a standby in the first start (if not gone)."""
+        spec = self.spec.for_worker(worker_id)
+        if start is not None:
+            spec = spec.starting_at(start, self.num_workers)
         parent, child = socket_pair()
         parent.setblocking(False)
         holder: list[Worker] = []  # a slot goes back to the process it belongs to
@@ -127,37 +111,28 @@ class Supervisor(Supervising[Link]):
         if spec.workers.threaded:
             shelf = Shelf()
             ledger = RefLedger(self.spec.workers.slots, release, shelf)
-            thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{k}")
+            thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{worker_id}")
             launch = start_worker(thread, parent, child)
         else:
             ledger = SlotLedger(self.spec.workers.slots, release, lease=self.lease)
             fresh = new_process(spec, child, self.start_method)
+            standby = self._standbys[0] if self._standbys else None
             launch = (start_worker(fresh, parent, child) if standby is None
                       else hand_off_worker(standby, spec, fresh, parent, child))
-        w = WorkerState(k, Link(parent, ledger, launch))
+            if standby is not None:
+                self._standbys.remove(standby)
+        w = WorkerState(worker_id, Link(parent, ledger, launch))
         holder.append(w)
         return w
 
     def _let_go(self, gone: list[Worker]) -> None:
-        """Close the links of ``gone`` (retired: EOF tells each to exit); they are reaped
-        with the others (or at once by :meth:`_reap_retired`)."""
+        """EOF tells each of ``gone`` to exit; they are reaped later."""
         for w in gone:
             if self._loop is not None and w.link.launch.started:
                 self._unwatch(w)
             w.link.close()
             w.link.ledger.close()  # leased batches keep their mapping until they go
             self._retired.append(w)
-
-    async def _reap_retired(self) -> None:
-        """Wait for retired processes off the loop, so they do not linger as zombies."""
-        await asyncio.get_running_loop().run_in_executor(None, self._reap, EXIT_GRACE, True)
-
-    def _new(self, worker_id: int, start: ShardPosition | None, *,
-             ahead: bool = True) -> Worker:  # (it streams unasked; a Rewind is read first)
-        spec = self.spec.for_worker(worker_id)
-        if start is not None:
-            spec = spec.starting_at(start, self.num_workers)
-        return self._spawn(spec)
 
     async def _up(self, w: Worker) -> None:
         # Shielded: cancelling the wait must not cancel a start still queued in the
@@ -175,16 +150,16 @@ class Supervisor(Supervising[Link]):
         for seq, indices in new.sent.items():  # what the retiring one did not answer
             self._ask(new, seq, indices)
         self._watch_new(new)
-        task = asyncio.get_running_loop().create_task(self._reap_retired())
+        # Off the loop, so that retired processes do not linger as zombies.
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self._reap, EXIT_GRACE, True))
         _REAPS.add(task)
         task.add_done_callback(_REAPS.discard)
 
     # ------------------------------------------------------------------ watch
 
     def attach(self) -> None:
-        """Watch every worker's socket and sentinel on the running loop (none once closed:
-        a close from another thread can come between start and attach, and a thread
-        worker's reader can run before its parent attaches; receive() then says closed)."""
+        """Watch every socket and sentinel on this loop (none once closed: from another thread)."""
         if self.closed:
             return
         self._loop = asyncio.get_running_loop()
@@ -230,9 +205,8 @@ class Supervisor(Supervising[Link]):
         try:
             self._drain(w)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, see above
-            self.roster.fail(WorkerError(
-                f"reading from worker {w.id} (pid {w.link.pid}) failed: {exc!r}",
-                worker_id=w.id, pid=w.link.pid))
+            self.roster.fail(WorkerError(f"reading from {self._named(w)} failed: {exc!r}",
+                                         worker_id=w.id, pid=w.link.pid))
             self._fail_cause(exc)
         self._wake()
 
@@ -261,11 +235,19 @@ class Supervisor(Supervising[Link]):
             if slot is not None:
                 w.link.ledger.published(slot)
             inbound: Inbound = msg if not isinstance(msg, (wire.Failed, wire.BatchFailed)) \
-                else worker_error(w, msg)
+                else self._error(w, msg)
             action = self.roster.on_message(w, inbound)
             if action is not None:
                 self._start_successor(action)
         # wire.Progress: hearing it (last_heard) is all it is for
+
+    def _error(self, w: Worker, msg: wire.Failed | wire.BatchFailed) -> WorkerError | BatchFailure:
+        """:func:`told_error`; a thread worker's original comes by reference, from its shelf."""
+        original: object = None
+        if isinstance(ledger := w.link.ledger, RefLedger):
+            original = (ledger.shelf.error if isinstance(msg, wire.Failed)
+                        else ledger.shelf.errors.pop(msg.seq, None))
+        return told_error(self._named(w), msg, original, worker_id=w.id, pid=w.link.pid)
 
     def _on_exit(self, w: Worker) -> None:
         process = w.link.process
@@ -273,7 +255,7 @@ class Supervisor(Supervising[Link]):
             assert self._loop is not None
             self._loop.remove_reader(process.sentinel)
             self._drain(w)  # a Failed message sent just before exiting comes first
-            if self.roster.on_exit(w) is not None and self._reaping.acquire(False):
+            if self.roster.on_exit(w) and self._reaping.acquire(False):
                 try:  # one thread at a time waits for a child's status: not while reaping
                     process.join(EXIT_GRACE)
                 finally:
@@ -329,9 +311,9 @@ class Supervisor(Supervising[Link]):
         """SIGKILL ends a stopped process too; its exit then takes a crash's path."""
         if w.link.pid is None:
             return False
-        log.warning("worker %d (pid %s) hung: no word for %.1f s (timeout=%s) while the "
-                    "consumer waited for its batch; killing it (SIGKILL) to replace it",
-                    w.id, w.link.pid, w.silenced, silence)
+        log.warning("%s hung: no word for %.1f s (timeout=%s) while the consumer waited "
+                    "for its batch; killing it (SIGKILL) to replace it", self._named(w),
+                    w.silenced, silence)
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.link.pid, signal.SIGKILL)
         return True
@@ -358,16 +340,12 @@ class Supervisor(Supervising[Link]):
 
     def stats(self) -> tuple[tuple[WorkerStats, ...], ArenaStats]:
         """Each worker's telemetry, and the arenas'; plain reads, no syscall."""
+        now = list(self.workers)
         workers = tuple(worker_stats(w, w.link.pid if w.phase is not Phase.REAPED else None)
-                        for w in list(self.workers))
-        slots = filled = leased = nbytes = 0
-        for w in list(self.workers):
-            usage = w.link.ledger.usage()
-            slots += usage.slots
-            filled += usage.filled
-            leased += usage.leased
-            nbytes += usage.bytes
-        return workers, ArenaStats(slots, slots - filled - leased, filled, leased, nbytes)
+                        for w in now)
+        usages = [w.link.ledger.usage() for w in now]
+        return workers, ArenaStats(*(sum(getattr(u, f.name) for u in usages)
+                                     for f in dataclasses.fields(ArenaStats)))
 
     def describe(self, worker_ids: list[int]) -> str:
         named = super().describe(worker_ids)
@@ -383,11 +361,7 @@ class Supervisor(Supervising[Link]):
         return named
 
     async def aclose(self, grace: float) -> None:
-        """Stop every worker and wait for it, without blocking the loop.
-
-        ``grace``: how long a worker may take to leave on EOF before it is terminated (an
-        error path passes 0: nothing is waiting for that worker's last words).
-        """
+        """Stop every worker without blocking the loop: ``grace`` seconds to leave on EOF."""
         if not self._begin_close():
             return
         try:
@@ -404,7 +378,6 @@ class Supervisor(Supervising[Link]):
             raise
 
     def close(self, grace: float) -> None:
-        """Blocking version of :meth:`aclose`."""
         if self._begin_close():
             self._reap(grace)
 
@@ -420,28 +393,24 @@ class Supervisor(Supervising[Link]):
 
     def _reap(self, grace: float, retired_only: bool = False) -> None:
         with self._reaping:  # the executor's thread and a cancelled caller may both get here
-            self._reap_locked(grace, retired_only)
-
-    def _reap_locked(self, grace: float, retired_only: bool = False) -> None:
-        everyone = list(self._retired)
-        starts: Starts = {}
-        if not retired_only:
-            if self.standby is not None:  # a start that failed before it used them all
-                unused, self._standbys = self._standbys, []
+            everyone = list(self._retired)
+            starts: Starts = {}
+            if not retired_only:
+                unused, self._standbys = self._standbys, []  # a start that failed early
                 for standby in unused:
                     standby.dismiss()
                     starts[standby.started] = standby.started_process
-            everyone += self.workers
-            everyone += [w.successor for w in self.workers if w.successor is not None]
-        for w in everyone:  # a start in flight joins the schedule once its process exists
-            if w.phase is not Phase.REAPED:
-                starts[w.link.launch.future] = w.link.launch.started_process
-        stop_processes([], grace, starts)
-        for w in everyone:
-            if w.link.launch.started:
-                w.phase = Phase.REAPED  # out of the loop's hands: retired, or closed
-        self._retired = [w for w in self._retired if w.phase is not Phase.REAPED]
-        if retired_only:
-            return
-        for w in everyone:
-            w.link.ledger.close()
+                everyone += self.workers
+                everyone += [w.successor for w in self.workers if w.successor is not None]
+            for w in everyone:  # a start in flight joins the schedule once its process exists
+                if w.phase is not Phase.REAPED:
+                    starts[w.link.launch.future] = w.link.launch.started_process
+            stop_processes(grace, starts)
+            for w in everyone:
+                if w.link.launch.started:
+                    w.phase = Phase.REAPED  # out of the loop's hands: retired, or closed
+            self._retired = [w for w in self._retired if w.phase is not Phase.REAPED]
+            if retired_only:
+                return
+            for w in everyone:
+                w.link.ledger.close()

@@ -1,16 +1,6 @@
 """Thread workers (``worker_type="thread"``): a worker's loop in a thread of this process.
 
-The supervisor runs a thread worker as it runs a process: :class:`ThreadWorker` has the
-part of ``multiprocessing.Process`` it uses (start, pid, a sentinel fd, exitcode, join,
-terminate, kill, close), and the worker is the same :func:`~aioloader.workers._worker.serve`
-coroutine on the other end of a ``socketpair``, on its own event loop. Only the data plane
-differs: batches go by reference (:class:`~aioloader.plane._dataplane.Shelf`), not through an
-arena.
-
-Threads cannot be killed. ``terminate()`` cancels the worker's serving task on its loop, so
-a worker that awaits stops at once; one stuck in code that never returns to its loop runs on
-until it does, and ``kill()`` only stops waiting for it (it is a daemon thread).
-"""
+:class:`ThreadWorker` has the part of ``multiprocessing.Process`` the supervisor uses."""
 
 from __future__ import annotations
 
@@ -21,7 +11,6 @@ import os
 import socket
 import threading
 import weakref
-from collections.abc import Iterator
 
 from .. import _loops
 from .._info import TORCH_INFO_PER_THREAD
@@ -47,11 +36,7 @@ os.register_at_fork(after_in_child=_drop_thread_fds_in_child)
 
 
 class ThreadWorker:
-    """A worker thread, as the supervisor sees a worker process (see the module docstring).
-
-    ``sentinel`` is the read end of a pipe whose write end the thread closes as the last
-    thing it does: the parent's loop watches it like a process sentinel.
-    """
+    """A worker thread as a process; ``sentinel``: a pipe's read end, closed when it ends."""
 
     def __init__(self, spec: WorkerSpec, sock: socket.socket, shelf: Shelf, name: str) -> None:
         self._spec = spec
@@ -83,7 +68,9 @@ class ThreadWorker:
     def _run(self) -> None:
         code = 1
         try:
-            with torch_for_threads():
+            # torch's get_worker_info() answers per thread and its default_collate makes no
+            # shared memory while any thread worker of this process lives.
+            with TORCH_INFO_PER_THREAD.scope(), TORCH_COLLATE_IN_THREADS.scope():
                 code = _loops.run(self._serve())
         except asyncio.CancelledError:
             code = 0 if self._stopping else 1
@@ -115,12 +102,8 @@ class ThreadWorker:
             timeout = 0.0
         self._thread.join(timeout)
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def terminate(self) -> None:
-        """Cancel the serving task: an await in the worker ends now; blocking code cannot
-        be interrupted and finishes first."""
+        """Cancel the serving task (blocking code cannot be interrupted and finishes first)."""
         with self._lock:
             self._stopping = True
             loop, task = self._loop, self._task
@@ -143,7 +126,7 @@ class ThreadWorker:
             self.sentinel = -1
 
     def forget_in_child(self) -> None:
-        """In a forked child: close this worker's fds (its thread does not exist here)."""
+        """In a forked child: close this worker's fds."""
         for fd in (self._done, self.sentinel):
             with contextlib.suppress(OSError):
                 if fd >= 0:
@@ -151,11 +134,3 @@ class ThreadWorker:
         with contextlib.suppress(OSError):
             os.close(self._sock.detach())
 
-
-@contextlib.contextmanager
-def torch_for_threads() -> Iterator[None]:
-    """A thread worker's lifetime: torch's ``get_worker_info()`` answers per thread and its
-    ``default_collate`` makes no shared memory (aioloader/_info.py, pipeline/_stacking.py). Both are
-    undone when the last thread worker of this process ends."""
-    with TORCH_INFO_PER_THREAD.scope(), TORCH_COLLATE_IN_THREADS.scope():
-        yield

@@ -1,17 +1,6 @@
 """worker_main(spec, sock): the loop of one worker process, a plain function.
 
-A worker reads (stream plan) or fetches (index plan) instances, batches and collates them
-straight into a free slot of its arena, and sends a small header over its socket. It runs its
-own event loop (uvloop when present) so that readers may be async generators. It stops when
-its socket reaches EOF (the parent closed it, or died), and on Linux the kernel kills it if
-the parent dies first (PR_SET_PDEATHSIG); a thread of its own ends it ORPHAN_GRACE seconds
-after that EOF whatever its loop is stuck in (a forkserver's child outlives the consumer).
-
-A thread worker (``worker_type="thread"``, aioloader/workers/_threads.py) serves the same
-:func:`serve` on a loop in a thread of the main process, its batches going by reference
-(a :class:`~aioloader.plane._dataplane.Shelf`); everything process-wide is left alone there:
-signals, torch's thread count and collate map, the global RNGs, exiting.
-"""
+A thread worker serves the same :func:`serve`, and leaves everything process-wide alone."""
 
 from __future__ import annotations
 
@@ -51,17 +40,8 @@ _FORKING = _Forking()
 
 @contextlib.contextmanager
 def forking() -> Iterator[None]:
-    """Around ``Process.start()`` of a worker in this thread: a forked child never
-    collects, so never finalizes, what it inherited (garbage included).
-
-    A fork copies the parent's garbage too: a torch DataLoader iterator left in a reference
-    cycle, collected by a worker's GC, ran its ``__del__`` there and filled stderr with
-    "AssertionError: can only test a child process" (issue 19). The GC is off across the
-    fork (so it cannot run in the child before the hook below) and the child freezes
-    everything it inherited first thing; the parent collects its garbage itself. Exits
-    skip the rest: ``os._exit`` after multiprocessing's ``_bootstrap``, whose finalizer
-    registry was cleared at the fork, so no atexit handler or inherited finalizer runs.
-    """
+    """Around ``Process.start()`` of a worker in this thread: a forked child never collects,
+    so never finalizes, what it inherited (docs/architecture.md, issue 19)."""
     _FORKING.ours = True
     try:
         yield
@@ -112,34 +92,26 @@ def _detach_from_parent_signals(spec: WorkerSpec) -> None:
     # Ctrl-C reaches the whole process group: the parent decides, workers must not die
     # half-way through a batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A forked child inherits the parent loop's wake-up fd: signals here would wake it.
-    try:
+    # A forked child inherits the parent loop's wake-up fd: signals here would wake it (not
+    # the main thread of the child: nothing was inherited).
+    with contextlib.suppress(ValueError):
         signal.set_wakeup_fd(-1)
-    except ValueError:  # not the main thread of the child: nothing was inherited
-        pass
     # Python 3.11 keeps the forking thread's running loop in the child (fixed in 3.12).
     asyncio.events._set_running_loop(None)
     if sys.platform.startswith("linux"):
         import ctypes
 
-        pr_set_pdeathsig = 1
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if spec.parent_pid and os.getppid() != spec.parent_pid and os.getppid() == 1:
         os._exit(0)  # the parent died before we got here
     _drop_forkserver_alive_fd()
 
 
 def _drop_forkserver_alive_fd() -> None:
-    """A forkserver's child holds the write end of the server's "alive" pipe
-    (multiprocessing passes it to every child it forks), and the server exits only once no
-    process holds it: a worker stuck in user code kept the server alive after the consumer
-    died, and the server, whose death is what fires our PR_SET_PDEATHSIG, kept the worker
-    alive (issue 19). A worker has no use for it: it does not know that server's address,
-    so it could not start processes from it anyway."""
+    """Close the forkserver's "alive" pipe this child inherited: it kept the server, and so
+    the worker, alive after the consumer died (docs/architecture.md, issue 19)."""
     from multiprocessing import forkserver
 
     server: Any = forkserver._forkserver
@@ -154,12 +126,8 @@ ORPHAN_GRACE = 2.0  # seconds a worker may take to go once its parent hung up, w
 
 
 def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
-    """End this process ORPHAN_GRACE seconds after the parent's end of ``sock`` closes,
-    from a thread of its own: the event loop sees that EOF only between two pieces of user
-    code, and a worker stuck in a slow ``__getitem__`` (or joining a thread stuck there as
-    it exits) would outlive a parent that died, with nobody left to kill it (issue 19; for
-    forkserver, PR_SET_PDEATHSIG fires on the server's death, not the consumer's). A live
-    parent kills a slow worker itself sooner (GRACE, then SIGTERM: see _supervisor)."""
+    """End this process ORPHAN_GRACE seconds after the parent's end of ``sock`` closes, from
+    a thread of its own, whatever its loop is stuck in (docs/architecture.md, issue 19)."""
     rdhup = getattr(select, "POLLRDHUP", None)
     if rdhup is None or not hasattr(select, "poll"):
         return  # not Linux: the parent's escalation is all there is
@@ -176,15 +144,11 @@ def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
 
 
 async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = None) -> int:
-    """Serve the parent on ``sock`` until EOF; the exit code (a process exits with it).
-
-    ``shelf``: a thread worker's, for its batches and its exception, by reference.
-    """
+    """Serve the parent on ``sock`` until EOF; the exit code (``shelf``: a thread's)."""
     chan = Channel(spec.workers.slots, f"aioloader-w{spec.worker_id}", sock, shelf)
     if spec.loads is not None or spec.workers.threaded:
         # Loads in flight (or a thread's async reader) wait on the network, not on us: EOF
-        # (a close) cancels them at once, rather than after the parent's grace period,
-        # past which a thread could only be cancelled anyway.
+        # cancels them at once, rather than after the parent's grace period.
         serving_task = asyncio.current_task()
         assert serving_task is not None
         chan.on_eof = serving_task.cancel
@@ -222,10 +186,9 @@ def _plain(key: Any) -> Any:
 
 
 async def _run_stream(worker: Serving, chan: Channel) -> None:
-    """The worker's passes (:func:`~aioloader.workers._passes.passes`) over the wire, until
-    the parent stops us. A :class:`~aioloader.plane._wire.Rewind` drops the pass under way
-    (its iterator closed) and starts the one asked for, as torch's persistent worker calls
-    ``iter(dataset)`` again for a new epoch: the worker and what it set up stay."""
+    """The worker's passes over the wire, until the parent stops us. A
+    :class:`~aioloader.plane._wire.Rewind` drops the pass under way and starts the one asked
+    for, as torch's persistent worker calls ``iter(dataset)`` again: the set-up stays."""
     touch = chan.progress if worker.spec.workers.progress else None
     start = worker.spec.start()
     while True:
@@ -241,10 +204,9 @@ async def _run_stream(worker: Serving, chan: Channel) -> None:
 
 async def _send_passes(worker: Serving, chan: Channel,
                        events: AsyncIterator[Event[Any]]) -> bool:
-    """Send ``events``: each batch built into a slot, each pass end in a slot of its own
-    (bounded, even when the pass was empty), a hand-over as the successor's position. True
-    once they said all (a hand-over, instances' one pass); False when the parent went away
-    or asked for a rewind (the rest belongs to the pass dropped)."""
+    """Send ``events``, each batch and each pass end in a slot (bounded, even when the pass
+    was empty). True once they said all; False when the parent went away or asked for a
+    rewind."""
     async for event in events:
         chan.poll()
         if chan.rewind is not None:
@@ -264,11 +226,8 @@ async def _send_passes(worker: Serving, chan: Channel,
 
 async def _emit_built(worker: Serving, chan: Channel, event: Build[Any]) -> bool:
     """Send one batch of the stream (or chunk of instances); False once the parent is gone.
-
-    A batch whose making raised (the source's error, or the collate's) is that batch's
-    error, in a slot of its own as the batch would be, and the stream goes on, as torch's
-    IterableDataset worker sends the exception in the batch's place and goes on (issue 32).
-    A chunk of instances (a cache) has no batch to fail: its error ends the worker.
+    A batch whose making raised is that batch's error, in its slot, and the stream goes on,
+    as torch's does (issue 32); a chunk of instances has no batch to fail: it ends the worker.
     """
     make, mark = worker.making(event.batch)
     if not isinstance(event.batch, Batch):
@@ -285,21 +244,14 @@ async def _emit_built(worker: Serving, chan: Channel, event: Build[Any]) -> bool
 
 
 async def _run_index(worker: Serving, chan: Channel) -> None:
-    """Fetch and collate the index batches the parent sends, in the order it sends them.
-
-    A retiring worker says so and answers no more tasks: the parent gives the ones it did
-    not answer to its successor, and closes this one once its batches are taken.
-    """
+    """Fetch and collate the parent's index batches, in order, until it goes or we retire."""
     if worker.stage is not None:
         await _run_index_loaded(worker, chan, worker.stage)
         return
     pipe = worker.pipe
     retire = worker.retirement
     touch = chan.progress if worker.spec.workers.progress else None
-    while True:
-        task = await chan.task()
-        if task is None:
-            return
+    while (task := await chan.task()) is not None:
         try:
             items = pipe.fetch(task.indices, touch)
             sent = await chan.emit(task.seq, *worker.answering(items, task.indices))
@@ -314,21 +266,18 @@ async def _run_index(worker: Serving, chan: Channel) -> None:
 
 
 async def _retire(chan: Channel) -> None:
-    """An index worker retires: the parent gives its unanswered tasks to a successor."""
+    """Say so: the parent gives our unanswered tasks to a successor, then closes us."""
     await chan.send(wire.Retiring(None))
     await chan.closed()
 
 
 async def _tasks(chan: Channel) -> AsyncIterator[wire.Task]:
-    """The parent's tasks, as they arrive, until it goes away."""
     while (task := await chan.task()) is not None:
         yield task
 
 
 async def _run_index_loaded(worker: Serving, chan: Channel, stage: LoadStage) -> None:
-    """:func:`_run_index` with a load stage: every task the parent sent starts its loads at
-    once (the stage's gate bounds them), so loads overlap across batches; batches still go
-    out in the order of the tasks."""
+    """:func:`_run_index` with a load stage: loads overlap, batches go out in order."""
     source = worker.spec.source
     retire = worker.retirement
     fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
