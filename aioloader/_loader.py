@@ -231,11 +231,11 @@ class DataLoader(Generic[T_co]):
         self._run.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return self._run.length()
+        return self._run.reading.length()
 
     async def iter_instances(self) -> AsyncIterator[Any]:
         """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
-        async for item in self._run.instances():
+        async for item in self._run.reading.instances():
             yield item
 
     def stats(self) -> LoaderStats:

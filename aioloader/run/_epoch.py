@@ -42,7 +42,7 @@ class Epoch:
         self._device = device
         self._private = private  # driven by the sync adapter's own loop
         self._session: Session | None = None
-        self._done = False
+        self.done = False  # ended: complete, stopped by an error, closed or superseded
         self._superseded = False  # a newer iteration of the loader took over
         self.waiting = False
         self._bar: Any = NO_BAR
@@ -52,11 +52,6 @@ class Epoch:
     def __aiter__(self) -> Epoch:
         return self
 
-    @property
-    def done(self) -> bool:
-        """The epoch ended: complete, stopped by an error, closed or superseded."""
-        return self._done
-
     async def __anext__(self) -> Any:
         if self._superseded:
             raise LoaderBusyError(
@@ -64,7 +59,7 @@ class Epoch:
                 "or `async for` started anew, as torch's DataLoader allows), which stopped "
                 "this one. Iterate the newer one, or make a second DataLoader to have two "
                 "epochs at once")
-        if self._done:
+        if self.done:
             raise StopAsyncIteration
         run = self._run
         began = time.monotonic()
@@ -125,7 +120,6 @@ class Epoch:
     def abandon(self, superseded: bool = False) -> None:
         """Left behind by a new epoch: after it handed over all its batches, or before
         (``superseded``: its consumer is told so if it asks for more)."""
-        self._done = True
         self._superseded = superseded
         self._ended()
 
@@ -134,18 +128,17 @@ class Epoch:
 
         An epoch that handed over all its batches is simply over: its workers stay.
         """
-        if self._done:
+        if self.done:
             return
-        self._done = True
         self._ended()
         await self._run.leave(self, self._session)
 
     async def _finish(self, *, stop: bool, grace: float = GRACE) -> None:
-        self._done = True
         self._ended()
         await self._run.end(self, self._session, stop=stop, grace=grace)
 
     def _ended(self) -> None:
+        self.done = True
         if self._backstop is not None:
             drop_backstop(self._backstop)
         if not self._bar.disable:
@@ -194,7 +187,7 @@ def _close_dropped(run_ref: weakref.ref[Run], session: Session) -> None:
         if run is not None and run.rewinds(session):
             session.detach()  # persistent workers: the next epoch starts the pass again
             return
-        closing = run.drop_session(session) if run is not None else session.aclose()
+        closing = run.owned.drop(session) if run is not None else session.aclose()
         task = loop.create_task(closing)
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
@@ -226,5 +219,5 @@ def _show_stall(bar: Any, run: Run) -> None:
 def _bar(run: Run) -> Any:
     if not shows_bars(run.config.output.quiet):
         return NO_BAR
-    return tqdm(total=run.known_length(), initial=run.in_epoch_count, desc="batches",
+    return tqdm(total=run.reading.known_length(), initial=run.in_epoch_count, desc="batches",
                 unit="batch", dynamic_ncols=True)

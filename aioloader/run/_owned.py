@@ -69,14 +69,12 @@ class Owned:
                 self.session = None
         await session.aclose(grace)
 
-    def hold(self, session: Session) -> bool:
+    def hold(self, session: Session) -> None:
         """Make ``session`` the run's if it has none (a pass read outside an epoch: a close
-        must reach it); whether it did."""
+        must reach it)."""
         with self._lock:
-            held = self.session is None
-            if held:
+            if self.session is None:
                 self.session = session
-        return held
 
     def take(self) -> Session | None:
         """The session, which is no longer the run's."""

@@ -35,12 +35,7 @@ _PORTALS: weakref.WeakSet[Portal] = weakref.WeakSet()
 def _orphan_loops_in_child() -> None:
     for portal in list(_PORTALS):
         _INHERITED.append((portal.loop, portal._thread_loop))
-        portal.loop = portal._thread_loop = None
-        portal._thread = None
-        portal._driver = None
-        portal._handed = []
-        portal._in_flight = 0
-        portal._cond = threading.Condition()
+        portal._reset()
     _PORTALS.clear()
 
 
@@ -74,6 +69,11 @@ class Portal:
     """
 
     def __init__(self) -> None:
+        self._reset()
+        _PORTALS.add(self)
+
+    def _reset(self) -> None:
+        """No loop, no thread, no caller (also a forked child's, whose loops are kept)."""
         self.loop: asyncio.AbstractEventLoop | None = None  # driven by callers' threads
         self._thread_loop: asyncio.AbstractEventLoop | None = None  # for callers with a loop
         self._thread: threading.Thread | None = None
@@ -81,7 +81,6 @@ class Portal:
         self._driver: int | None = None
         self._handed: list[concurrent.futures.Future[Any]] = []
         self._in_flight = 0  # calls running on the thread loop
-        _PORTALS.add(self)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` and return its result, from any thread."""
@@ -219,12 +218,8 @@ class Portal:
             if thread is threading.current_thread():
                 tloop.call_soon(tloop.stop)
                 return
-
-            async def shutdown() -> None:
-                await tloop.shutdown_asyncgens()
-
             with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):
-                asyncio.run_coroutine_threadsafe(shutdown(), tloop).result()
+                asyncio.run_coroutine_threadsafe(tloop.shutdown_asyncgens(), tloop).result()
             tloop.call_soon_threadsafe(tloop.stop)
             thread.join()
             tloop.close()
