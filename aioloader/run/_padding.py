@@ -50,8 +50,7 @@ class Even:
         timeout, drop, pad = c.output.timeout, c.batching.drop_last, self.padding
         step: Step = PassDone(False) if pad is not None else await session.next(timeout)
         if pad is None and isinstance(step, PassDone) and step.empty and not drop:
-            pad = self._pad()  # nothing of the pass came here: has the pass any batch?
-            await pad.prime()
+            pad = await self._pad()  # nothing of the pass came here: has the pass any batch?
         has = isinstance(step, Delivered)
         some, out, stuck = await asyncio.to_thread(
             maxima, c.topo, [has, not has, pad is not None and pad.empty])
@@ -59,14 +58,12 @@ class Even:
             if isinstance(step, Delivered):
                 return step, False
             if self.padding is None:  # this rank's pass is over, not the others'
-                self.padding = pad = pad or self._pad()
+                self.padding = pad = pad or await self._pad()
                 stream = pad.stream = cursor.stream
                 if stream is not None:  # a state taken now: this rank's pass is over
                     cursor.stream = lambda: replace(stream(), pending=())
             assert pad is not None
-            repeat = await pad.next()
-            assert repeat is not None, "a pass with batches has a first one"
-            return repeat, True
+            return pad.next(), True
         if stuck and some:
             warnings.warn(even_refusal(c.topo.rank), stacklevel=5)
         while not isinstance(step, PassDone):  # the epoch ends here for every rank
@@ -75,61 +72,44 @@ class Even:
             cursor.stream, self.padding = self.padding.stream, None
         return None, False
 
-    def _pad(self) -> Padding:
-        return Padding(self._fresh, self._config.workers.num_workers,
-                       self._config.output.timeout)
-
-
-class Padding:
-    """The repeats of one rank in one pass (see the module docstring).
-
-    ``fresh``: a producer of the pass from its start (no resume point, no frontier).
-    """
-
-    def __init__(self, fresh: Callable[[], Producer], kept: int,
-                 timeout: float | None) -> None:
-        self._fresh = fresh
-        self._kept = max(kept, KEPT)
-        self._timeout = timeout
-        self._batches: list[Delivered] | None = None  # None: not read yet
-        self.handed = 0  # repeats handed over
-        self.stream: Callable[[], StreamPosition] | None = None  # the cursor's, while padding
-
-    @property
-    def empty(self) -> bool:
-        """The pass was read from its start and gave this rank no batch at all."""
-        return self._batches is not None and not self._batches
-
-    async def prime(self) -> None:
-        """Read the pass's first batches now (before they are due)."""
-        if self._batches is None:
-            self._batches = await self._read()
-
-    async def next(self) -> Delivered | None:
-        """A copy of the next repeat; None when the pass gave no batch at all."""
-        await self.prime()
-        assert self._batches is not None
-        if not self._batches:
-            return None
-        kept = self._batches[self.handed % len(self._batches)]
-        self.handed += 1
-        return Delivered(copy.deepcopy(kept.value), nbytes=kept.nbytes)
-
-    async def _read(self) -> list[Delivered]:
-        """The pass's first batches, copied (the consumer owns the values it gets)."""
+    async def _pad(self) -> Padding:
+        """The pass's first batches, read from its start by a session of their own, and
+        copied (the consumer owns the values it gets)."""
         session = Session(self._fresh())
         batches: list[Delivered] = []
+        kept = max(self._config.workers.num_workers, KEPT)
         try:
             await session.start()
             session.attach()
-            while len(batches) < self._kept:
-                step = await session.next(self._timeout)
+            while len(batches) < kept:
+                step = await session.next(self._config.output.timeout)
                 if isinstance(step, PassDone):
                     break
                 batches.append(Delivered(copy.deepcopy(step.value), nbytes=step.nbytes))
         finally:
             await session.aclose()
-        return batches
+        return Padding(batches)
+
+
+class Padding:
+    """The repeats of one rank in one pass (see the module docstring), cycled."""
+
+    def __init__(self, batches: list[Delivered]) -> None:
+        self._batches = batches
+        self._handed = 0  # repeats handed over
+        self.stream: Callable[[], StreamPosition] | None = None  # the cursor's, while padding
+
+    @property
+    def empty(self) -> bool:
+        """The pass gave this rank no batch at all."""
+        return not self._batches
+
+    def next(self) -> Delivered:
+        """A copy of the next repeat."""
+        assert self._batches, "a pass with batches has a first one"
+        kept = self._batches[self._handed % len(self._batches)]
+        self._handed += 1
+        return Delivered(copy.deepcopy(kept.value), nbytes=kept.nbytes)
 
 
 def even_refusal(rank: int) -> str:

@@ -94,38 +94,37 @@ class Reading:
             for item in self.cache:
                 yield item
             return
-        items: list[Any] = []
         async for chunk in self._read_pass():
-            if c.cached:
-                items.extend(chunk)
             for item in chunk:
                 yield item
-        if c.cached:
-            self.cache = CachedInstances(items)
 
     async def ensure_cache(self) -> CachedInstances:
         """The cache, read first if it was not (with a progress bar)."""
         if self.cache is None:
-            items: list[Any] = []
             with progress_bar(self._config.output.quiet, desc="loading instances",
                               unit="instance") as bar:
                 async for chunk in self._read_pass():
-                    items.extend(chunk)
                     bar.update(len(chunk))
-            self.cache = CachedInstances(items)
+        assert self.cache is not None
         return self.cache
 
     async def _read_pass(self) -> AsyncIterator[list[Any]]:
-        """One pass of instances, in chunks: in this process, or through workers (sharded)."""
+        """One pass of instances, in chunks: in this process, or through workers (sharded);
+        in cached mode, kept as the cache once the pass is read to its end."""
         session = Session(self._setup().instances(self._next_pass()))
         self._owned.hold(session)  # a close() while the cache fills must reach it
+        items: list[Any] = []
         try:
             await session.start()
             session.attach()
             while True:
                 step = await session.next(self._config.output.timeout)
                 if isinstance(step, PassDone):
-                    return
+                    break
+                if self._config.cached:
+                    items.extend(step.value)
                 yield step.value
         finally:
             await self._owned.drop(session)  # (no longer the run's, if it was)
+        if self._config.cached:
+            self.cache = CachedInstances(items)

@@ -83,15 +83,12 @@ class Setup:
             start = StreamPosition.begin(first_pass, c.shards)
             if resume is not None and resume.stream is not None:
                 start = resume.stream
-            spec = self.plan_spec
-            # worker 0's seeds: one shard gives the same batches in or out of a worker
-            return self.stream(start, lambda pass_no: worker_seed(spec, pass_no, 0))
-        history = resume.history if resume is not None else ()
+            return self._stream(start)
+        history, spec = resume.history if resume is not None else (), self.plan_spec
         if c.kind is Kind.MAP:
             data: Any = c.source
             plan = self._map_plan()
             if history:
-                spec = self.plan_spec
                 plan = _first_pass(plan, first_pass,
                                    lambda: split_plan(spec, data, first_pass, history))
         else:
@@ -99,7 +96,6 @@ class Setup:
             data = cache
             plan = self._cached_plan(cache)
             if history:
-                spec = self.plan_spec
                 plan = _first_pass(plan, first_pass, lambda: local_plan(
                     spec, first_pass, history, len(cache), c.shards))
             elif resume is not None and resume.instances not in (None, len(cache)):
@@ -107,8 +103,8 @@ class Setup:
                     f"the state was taken over {resume.instances} instances, but the reader "
                     f"now gives {len(cache)}: the data changed, so the position in the epoch "
                     "means other batches")
-        ahead = sharding(self.plan_spec, shared=True) is not Sharding.AS_IS
-        return self.index(data, plan, first_pass, plan_ahead=ahead,
+        ahead = sharding(spec, shared=True) is not Sharding.AS_IS
+        return self._index(data, plan, first_pass, plan_ahead=ahead,
                           skip=resume.in_pass if resume is not None else 0)
 
     def reshape_refusal(self) -> str | None:
@@ -241,20 +237,22 @@ class Setup:
         return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,
                           budget=self.budget, skips=self.skips, standby=self.standby)
 
-    def stream(self, start: StreamPosition, seed_for: Callable[[int], int]) -> Producer:
+    def _stream(self, start: StreamPosition) -> Producer:
         """Batches of passes over a streaming source, each worker over its shard, from
         ``start`` on (``StreamPosition.begin(pass, shards)``: a pass's start)."""
-        c = self.config
+        c, spec = self.config, self.plan_spec
         if c.workers.num_workers == 0:
-            return LocalStream(c.source, c.kind, c.data_path, c.batching.options,
-                               c.collate_fn, seed_for, start.shards[0], c.topo.rank,
+            # worker 0's seeds: one shard gives the same batches in or out of a worker
+            return LocalStream(c.source, c.kind, c.data_path, c.batching.options, c.collate_fn,
+                               lambda pass_no: worker_seed(spec, pass_no, 0),
+                               start.shards[0], c.topo.rank,
                                c.topo.world_size, timed=c.workers.progress,
                                produced=start.produced, loads=c.loads, skips=self.skips)
         first_pass = min(p.pass_no for p in start.shards)
         sup = self._supervisor("stream", c.source, c.kind, first_pass, start.shards)
         return WorkerStream(sup, start)
 
-    def index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
+    def _index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
               plan_ahead: bool, skip: int = 0) -> Producer:
         """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``;
         ``skip``: batches of the first pass already delivered (a resume)."""
