@@ -211,7 +211,8 @@ class DataLoader(Generic[T_co]):
     def sync(self, device: DeviceLike | None = None) -> SyncLoader:
         """The synchronous face: ``for batch in loader.sync(device="cuda:0")``."""
         target = as_device(device) if device is not None else self._device
-        return SyncLoader(self._run.portal, lambda: Epoch(self, self._run, target, private=True),
+        return SyncLoader(self._run.owned.portal,
+                          lambda: Epoch(self, self._run, target, private=True),
                           self.__len__, target)
 
     def set_target_device(self, device: DeviceLike | None) -> None:

@@ -1,9 +1,7 @@
 """One epoch of iteration over a run: telemetry and the hand-over to the target device.
 
-An epoch is an async iterator object, deliberately not an async generator: dropping it
-half-way (``break``, ``next(iter(loader))``) is seen at once through a weak reference, so the
-next epoch never waits for the loop to finalize a generator; its backstop stops its workers
-on the loop it ran on.
+An async iterator object, not an async generator, so that dropping it half-way is seen at
+once (docs/architecture.md, "The loader"); its backstop stops its workers on its loop.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What a run owns that must be stopped: its session, its standbys and its portal.
 
-Apart from the run so that the loader's garbage-collector backstop holds only these: the
-rest of a run (a ``WorkerDied`` kept in its restart budget, with its traceback through the
-epoch that raised it, which holds the loader) would otherwise keep the loader alive.
+Apart from the run so that the loader's garbage-collector backstop holds only these
+(docs/architecture.md, "The run": the rest of a run can hold the loader).
 """
 
 from __future__ import annotations

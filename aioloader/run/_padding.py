@@ -65,7 +65,12 @@ class Even:
             assert pad is not None
             return pad.next(), True
         if stuck and some:
-            warnings.warn(even_refusal(c.topo.rank), stacklevel=5)
+            warnings.warn(
+                f"even_batches: a rank's pass over the stream gave it no batch at all (rank "
+                f"{c.topo.rank} or another), so it has none to repeat while the others go on: "
+                "the epoch ends for every rank, and the rest of the others' pass is not seen. "
+                "Give every rank and worker some data (fewer workers, or more instances), or "
+                "pass even_batches=False", stacklevel=5)
         while not isinstance(step, PassDone):  # the epoch ends here for every rank
             step = await session.next(timeout)
         if self.padding is not None:
@@ -111,11 +116,3 @@ class Padding:
         self._handed += 1
         return Delivered(copy.deepcopy(kept.value), nbytes=kept.nbytes)
 
-
-def even_refusal(rank: int) -> str:
-    """Why ranks end a stream's epoch with instances left: a rank has none to repeat."""
-    return (f"even_batches: a rank's pass over the stream gave it no batch at all (rank "
-            f"{rank} or another), so it has none to repeat while the others go on: the "
-            "epoch ends for every rank, and the rest of the others' pass is not seen. Give "
-            "every rank and worker some data (fewer workers, or more instances), or pass "
-            "even_batches=False")

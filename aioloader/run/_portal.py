@@ -1,11 +1,7 @@
 """Portal: an event loop kept for a loader's lifetime, running coroutines for plain code.
 
-In a plain script that loop (asyncio's own) runs in the caller's thread, one run of it per
-batch, which the batch's coroutine stops itself (no ``asyncio.Runner`` per call: its SIGINT
-handling costs milliseconds a batch, see issue 9). Where the caller's thread already runs a
-loop (Jupyter, an async framework) the portal's loop runs in a thread of its own. Keeping the
-loop lets a pass that spans sync epochs keep what its reader bound to it (aiofiles files, for
-one).
+How it runs, and why not ``asyncio.Runner``, is docs/architecture.md's "sync adapter". Keeping
+the loop lets a pass that spans sync epochs keep what its reader bound to it (aiofiles files).
 """
 
 from __future__ import annotations
@@ -61,12 +57,8 @@ def _let_frames_go(end: StopAsyncIteration) -> None:
 
 
 class Portal:
-    """Runs coroutines to completion for synchronous callers, on a loop kept between calls.
-
-    One thread drives the loop at a time. A thread that wants a coroutine run while another
-    drives (``close()`` from a watchdog thread while the main thread waits for a batch)
-    hands it to the driver, which runs it before it lets go of the loop.
-    """
+    """Runs coroutines to completion for synchronous callers, on a loop kept between calls;
+    a call from another thread while one drives is handed to the driver."""
 
     def __init__(self) -> None:
         self._reset()

@@ -84,20 +84,12 @@ class Run:
         self._configure(config.seed)
         if warm == "forkserver":
             warm_forkserver(config.source)
-        if self.standby is not None:
+        if standby is not None:
             # Imports in the background (aioloader/workers/_starting.py), unless the spec
             # cannot be pickled: then no process starts at all, and the first epoch says why.
-            self.standby.start({"source": config.source, "collate_fn": config.collate_fn,
+            standby.start({"source": config.source, "collate_fn": config.collate_fn,
                                 "options": config.batching.options,
                                 "worker_init_fn": config.workers.init_fn})
-
-    @property
-    def portal(self) -> Portal:
-        return self.owned.portal
-
-    @property
-    def standby(self) -> StandbyPool | None:
-        return self.owned.standby
 
     def _configure(self, seed: int | None) -> None:
         """What depends on the seed: the plans and the workers' setup. None: the seed is
@@ -116,7 +108,7 @@ class Run:
     @property
     def _setup(self) -> Setup:
         if self._made is None:
-            self._made = Setup(self.config, self.seed, self.budget, self.skips, self.standby,
+            self._made = Setup(self.config, self.seed, self.budget, self.skips, self.owned.standby,
                                self._pads)
         return self._made
 
@@ -382,7 +374,7 @@ class Run:
             self._cursor = resumed_cursor(point)
         if session is not None:
             self.owned.stop(session)
-        self.portal.close()
+        self.owned.portal.close()
         warn_skipping(self.config, point)
 
     def _hold_position(self) -> None:

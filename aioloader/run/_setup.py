@@ -87,14 +87,14 @@ class Setup:
         history, spec = resume.history if resume is not None else (), self.plan_spec
         if c.kind is Kind.MAP:
             data: Any = c.source
-            plan = self._map_plan()
+            plan = self._plan(data)
             if history:
                 plan = _first_pass(plan, first_pass,
                                    lambda: split_plan(spec, data, first_pass, history))
         else:
             assert cache is not None, "a cached reader's producer needs its cache"
             data = cache
-            plan = self._cached_plan(cache)
+            plan = self._plan(cache)
             if history:
                 plan = _first_pass(plan, first_pass, lambda: local_plan(
                     spec, first_pass, history, len(cache), c.shards))
@@ -196,14 +196,13 @@ class Setup:
             0, tuple(range(n)),
             max((p.stream.produced for p in states if p.stream is not None), default=0))
 
-    def _map_plan(self) -> Plan:
-        spec, data = self.plan_spec, self.config.source
-        return lambda pass_no: plan_epoch(spec, data, pass_no, shared=True)
-
-    def _cached_plan(self, data: CachedInstances) -> Plan:
+    def _plan(self, data: Sequence[Any]) -> Plan:
+        """Each pass's index batches of ``data``: the dataset (shared by the ranks), or a
+        cached reader's instances (each rank's own, evened out under ``even_batches``)."""
         spec, topo = self.plan_spec, self.config.topo
-        if not (topo.distributed and self.config.batching.even_batches):
-            return lambda pass_no: plan_epoch(spec, data, pass_no, shared=False)
+        shared = data is self.config.source
+        if shared or not (topo.distributed and self.config.batching.even_batches):
+            return lambda pass_no: plan_epoch(spec, data, pass_no, shared=shared)
 
         target: list[int] = []  # agreed once per cache, by the first plan of the session
         own = count_batches(spec, data, shared=False)
