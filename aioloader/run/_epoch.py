@@ -14,14 +14,13 @@ import weakref
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from .._errors import BatchFailure, LoaderBusyError
 from .._loops import running_loop
 from ..plane._device import move_to, pin
 from ..plane._staging import Stager
 from ._backstop import backstop, drop_backstop
-from ._bars import NO_BAR, shows_bars
+from ._bars import NO_BAR, progress_bar
 from ._run import Run
 from ._session import GRACE, Session
 
@@ -215,7 +214,6 @@ def _show_stall(bar: Any, run: Run) -> None:
 
 
 def _bar(run: Run) -> Any:
-    if not shows_bars(run.config.output.quiet):
-        return NO_BAR
-    return tqdm(total=run.reading.known_length(), initial=run.in_epoch_count, desc="batches",
-                unit="batch", dynamic_ncols=True)
+    return progress_bar(run.config.output.quiet, total=run.epoch_length,
+                        initial=run.in_epoch_count, desc="batches", unit="batch",
+                        dynamic_ncols=True)

@@ -35,7 +35,7 @@ class Owned:
             return
         session, self.session = self.session, None
         if session is not None:
-            session.kill()
+            session.close(0.0)
         if self.standby is not None:
             self.standby.close(0.0)
         self.portal.close()

@@ -66,7 +66,7 @@ class Run:
         self._lock = threading.Lock()
         self._epoch: weakref.ref[EpochHandle] | None = None  # set in IN_EPOCH, ALL_HANDED
         self._produced = 0  # batches the epoch in progress handed over
-        self._length: int | None = None  # the epoch in progress's, where known
+        self.epoch_length: int | None = None  # the epoch in progress's, where known
         self._next_pass = 0  # the pass the session's stream is at
         self._session_pass = 0  # the pass the current session started with
         self._cursor = Cursor()  # where the consumer stands (state_dict)
@@ -169,7 +169,7 @@ class Run:
         elif session is before and phase in _OWING and not self._streaming_on:
             session = await self._finish_pass(session, private)
         self._produced = self._cursor.begin_epoch()
-        self._length = self.reading.known_length()
+        self.epoch_length = self.reading.known_length()
         return session
 
     def rewinds(self, session: Session) -> bool:
@@ -239,7 +239,7 @@ class Run:
         says) moves the phase to ALL_HANDED, here and nowhere else."""
         self._produced += 1
         self._cursor.delivered()
-        if self._length is not None and self._cursor.in_epoch >= self._length:
+        if self.epoch_length is not None and self._cursor.in_epoch >= self.epoch_length:
             with self._lock:
                 if self._epoch is not None:  # (not after a close from another thread)
                     self._move(Event.LAST_BATCH)
@@ -335,7 +335,7 @@ class Run:
             producer = self._setup.producer(self._next_pass, resume, cache)
             session = Session(producer)
             self.owned.session = session
-            self._even.padding = None
+            self._even.repeats = None
             self._session_pass = self._next_pass
             with self._lock:
                 carried = self._cursor.carried if resume is not None else None

@@ -214,11 +214,6 @@ class Session:
         finally:
             self._end_close()
 
-    def kill(self) -> None:
-        """The garbage collector's backstop: only in the process that owns the workers."""
-        if os.getpid() == self.owner_pid:
-            self.close(0.0)
-
     @property
     def closed(self) -> bool:
         return self.state in (State.CLOSING, State.CLOSED)
