@@ -65,7 +65,9 @@ class Epoch:
             if session is None:
                 session = self._session = await run.begin(self, self._private)
                 self._backstop = backstop(self, _close_dropped, weakref.ref(run), session)
-                self._bar = _bar(run)
+                self._bar = progress_bar(run.config.output.quiet, total=run.epoch_length,
+                                         initial=run.in_epoch_count, desc="batches",
+                                         unit="batch", dynamic_ncols=True)
                 run.meter.epoch_began(began)
             self.waiting = True
             try:
@@ -121,10 +123,8 @@ class Epoch:
         self._ended()
 
     async def aclose(self) -> None:
-        """Stop a half-consumed epoch and its workers (the loader can be iterated again).
-
-        An epoch that handed over all its batches is simply over: its workers stay.
-        """
+        """Stop a half-consumed epoch and its workers (the loader can be iterated again); one
+        that handed over all its batches is simply over: its workers stay."""
         if self.done:
             return
         self._ended()
@@ -163,11 +163,8 @@ class EpochSetter:
 
 def _close_dropped(run_ref: weakref.ref[Run], session: Session) -> None:
     """An epoch was dropped half-way: stop its workers on its loop, if that loop runs, or
-    here and now if that loop is closed.
-
-    Otherwise (the sync adapter's loop between two calls) the next epoch, a close or the
-    loader's backstop does it.
-    """
+    here and now if that loop is closed; otherwise (the sync adapter's loop between two
+    calls) the next epoch, a close or the loader's backstop does it."""
     loop = session.loop
     if os.getpid() != session.owner_pid or loop is None:
         return
@@ -212,8 +209,3 @@ def _show_stall(bar: Any, run: Run) -> None:
     bar.set_postfix_str(f"data stall {meter.wait / max(meter.wall(), 1e-9):.0%}",
                         refresh=False)
 
-
-def _bar(run: Run) -> Any:
-    return progress_bar(run.config.output.quiet, total=run.epoch_length,
-                        initial=run.in_epoch_count, desc="batches", unit="batch",
-                        dynamic_ncols=True)

@@ -24,10 +24,8 @@ from ._setup import Setup
 
 class Reading:
     """The instances of a pass, the cache they fill once (cached mode), and ``len()``.
-
     ``setup`` and ``next_pass`` are the run's, asked when needed (a loaded state changes
-    both); a pass is read in a session that ``owned`` holds while no epoch's does.
-    """
+    both); a pass is read in a session that ``owned`` holds while no epoch's does."""
 
     def __init__(self, config: LoaderConfig, owned: Owned, setup: Callable[[], Setup],
                  next_pass: Callable[[], int]) -> None:
@@ -77,9 +75,8 @@ class Reading:
     def known_length(self) -> int | None:
         """The epoch's length where it is known without reading anything."""
         c = self._config
-        if c.batching.batches_per_epoch is not None:
-            return c.batching.batches_per_epoch
-        if c.kind is Kind.MAP or self.cache is not None:
+        if (c.batching.batches_per_epoch is not None or c.kind is Kind.MAP
+                or self.cache is not None):
             return self.length()
         return None
 

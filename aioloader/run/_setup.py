@@ -45,11 +45,8 @@ from ._session import Producer
 
 @dataclass(frozen=True)
 class Setup:
-    """How a loader's producers (and their workers) are made, from its config and seed.
-
-    The run asks for a producer by what it wants (a stream, index batches, one pass of
-    instances); only here are worker specs built and supervisors made.
-    """
+    """How a loader's producers (and their workers) are made, from its config and seed: only
+    here are worker specs built and supervisors made."""
 
     config: LoaderConfig
     seed: int
@@ -104,8 +101,14 @@ class Setup:
                     f"now gives {len(cache)}: the data changed, so the position in the epoch "
                     "means other batches")
         ahead = sharding(spec, shared=True) is not Sharding.AS_IS
-        return self._index(data, plan, first_pass, plan_ahead=ahead,
-                          skip=resume.in_pass if resume is not None else 0)
+        skip = resume.in_pass if resume is not None else 0  # delivered of the first pass
+        if c.workers.num_workers == 0:
+            return LocalIndex(data, plan, first_pass, c.collate_fn, timed=c.workers.progress,
+                              skip=skip, loads=self._loads_of(data), skips=self.skips,
+                              ahead=c.workers.slots, plan_ahead=ahead,
+                              on_loop=c.workers.fetch_on_loop)
+        return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
+                           first_pass, c.workers.slots, plan_ahead=ahead, skip=skip)
 
     def reshape_refusal(self) -> str | None:
         """Why a state taken on another shape (world size; a stream's workers) cannot resume
@@ -250,19 +253,6 @@ class Setup:
         first_pass = min(p.pass_no for p in start.shards)
         sup = self._supervisor("stream", c.source, c.kind, first_pass, start.shards)
         return WorkerStream(sup, start)
-
-    def _index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
-              plan_ahead: bool, skip: int = 0) -> Producer:
-        """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``;
-        ``skip``: batches of the first pass already delivered (a resume)."""
-        c = self.config
-        if c.workers.num_workers == 0:
-            return LocalIndex(data, plan, first_pass, c.collate_fn, timed=c.workers.progress,
-                              skip=skip, loads=self._loads_of(data), skips=self.skips,
-                              ahead=c.workers.slots, plan_ahead=plan_ahead,
-                              on_loop=c.workers.fetch_on_loop)
-        return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
-                           first_pass, c.workers.slots, plan_ahead=plan_ahead, skip=skip)
 
     def instances(self, pass_no: int) -> Producer:
         """One pass of a streaming source's instances, in chunks (to fill a cache)."""
