@@ -77,7 +77,6 @@ class Run:
         # the script's own set-up (issue 13): standbys, or the process's forkserver.
         standby = (StandbyPool(config.source, config.workers.num_workers)
                    if warm == "spawn" else None)
-        # the sync adapter's loop (and the close's between epochs)
         self.owned = Owned(Portal(), standby, self._lock)
         self.reading = Reading(config, self.owned, lambda: self._setup,
                                lambda: self._next_pass)
@@ -88,8 +87,8 @@ class Run:
             # Imports in the background (aioloader/workers/_starting.py), unless the spec
             # cannot be pickled: then no process starts at all, and the first epoch says why.
             standby.start({"source": config.source, "collate_fn": config.collate_fn,
-                                "options": config.batching.options,
-                                "worker_init_fn": config.workers.init_fn})
+                           "options": config.batching.options,
+                           "worker_init_fn": config.workers.init_fn})
 
     def _configure(self, seed: int | None) -> None:
         """What depends on the seed: the plans and the workers' setup. None: the seed is
@@ -387,9 +386,7 @@ class Run:
             self._resume = held_point(self.config, self.seed, cursor, self._cached_count())
 
     def _cached_count(self) -> int | None:
-        cache = self.reading.cache
-        return cached_count(self.config, len(cache) if cache is not None else None,
-                            self._resume)
+        return cached_count(self.config, self.reading.cache, self._resume)
 
     def stats(self) -> LoaderStats:
         session = self.owned.session

@@ -1,8 +1,5 @@
-"""The sync adapter: drives the async loader from plain code; it adds nothing of its own.
-
-Each step runs on the loader's :class:`~aioloader.run._portal.Portal`, an event loop kept for the
-loader's lifetime.
-"""
+"""The sync adapter: drives the async loader from plain code, each step on the loader's
+:class:`~aioloader.run._portal.Portal`; it adds nothing of its own."""
 
 from __future__ import annotations
 
