@@ -117,7 +117,7 @@ class Session:
         task = asyncio.current_task()
         assert task is not None and self.loop is not None
         with self._lock:
-            if self.state in (State.CLOSING, State.CLOSED):
+            if self.closed:
                 raise LoaderClosedError("the loader was closed; iterate it again to restart")
             self.state = State.RUNNING
             self._consumer = task
@@ -177,7 +177,7 @@ class Session:
     def _begin_close(self) -> bool:
         """Move to closing (once) and wake a consumer waiting in next()."""
         with self._lock:
-            if self.state in (State.CLOSING, State.CLOSED):
+            if self.closed:
                 return False
             self.state = State.CLOSING
             consumer, loop = self._consumer, self.loop

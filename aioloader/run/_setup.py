@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._config import LoaderConfig
@@ -50,10 +50,10 @@ class Setup:
 
     config: LoaderConfig
     seed: int
-    budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
-    skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
-    standby: StandbyPool | None = None  # spawn: warm processes for the first workers (issue 13)
-    pads: dict[int, int] = field(default_factory=dict)  # repeats planned, by pass
+    budget: RestartBudget  # max_worker_restarts
+    skips: SkipLog  # keys skipped on error, per loader
+    standby: StandbyPool | None  # spawn: warm processes for the first workers (issue 13)
+    pads: dict[int, int]  # a cached reader's repeats planned (even_batches), by pass
 
     @functools.cached_property
     def plan_spec(self) -> PlanSpec:
