@@ -145,12 +145,9 @@ class Epoch:
 
 
 class EpochSetter:
-    """``loader.sampler``: only ``set_epoch(epoch)``, passed on to the loader.
-
-    Lightning (and other loops written for torch's DataLoader) call
-    ``dataloader.sampler.set_epoch(epoch)`` before each epoch; this keeps the loader's epoch
-    in step with theirs, which matters when they resume from a checkpoint.
-    """
+    """``loader.sampler``: only ``set_epoch(epoch)``, passed on to the loader. Lightning (and
+    other loops written for torch's DataLoader) call it before each epoch: the loader's epoch
+    stays in step with theirs, which matters when they resume from a checkpoint."""
 
     def __init__(self, loader: Any) -> None:
         self._loader = weakref.ref(loader)
