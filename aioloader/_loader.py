@@ -212,7 +212,8 @@ class DataLoader(Generic[T_co]):
     def sync(self, device: DeviceLike | None = None) -> SyncLoader:
         """The synchronous face: ``for batch in loader.sync(device="cuda:0")``."""
         target = as_device(device) if device is not None else self._device
-        return SyncLoader(self._run.portal, lambda: Epoch(self, self._run, target, private=True),
+        return SyncLoader(self._run.owned.portal,
+                          lambda: Epoch(self, self._run, target, private=True),
                           self.__len__, target)
 
     def set_target_device(self, device: DeviceLike | None) -> None:
@@ -232,11 +233,11 @@ class DataLoader(Generic[T_co]):
         self._run.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return self._run.length()
+        return self._run.reading.length()
 
     async def iter_instances(self) -> AsyncIterator[Any]:
         """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
-        async for item in self._run.instances():
+        async for item in self._run.reading.instances():
             yield item
 
     def stats(self) -> LoaderStats:

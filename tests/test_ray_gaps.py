@@ -175,7 +175,7 @@ def collected() -> Iterator[None]:
 
 def _in_flight(loader: aioloader.DataLoader) -> list[list[Any]]:
     """The ObjectRefs of every actor's calls in flight (the supervisor's own)."""
-    session = loader._run._session  # (internals: the calls the object store holds for)
+    session = loader._run.owned.session  # (internals: the calls the object store holds for)
     assert session is not None
     return [list(w.link.calls) for w in session.producer.sup.workers]
 

@@ -120,7 +120,7 @@ async def test_a_complete_epoch_moves_through_last_batch_and_pass_end() -> None:
     assert run.phase is Phase.IN_EPOCH
     await run.end(token, session, stop=False)  # IN_EPOCH -END-> IDLE
     assert run.phase is Phase.IDLE and current_iff_epoch_phase(run)
-    assert run.session_is(session) and not session.closed  # kept for the next epoch
+    assert run.owned.session is session and not session.closed  # kept for the next epoch
     await run.aclose()  # IDLE -CLOSE-> CLOSING -CLOSED-> CLOSED
     assert run.phase is Phase.CLOSED and current_iff_epoch_phase(run) and session.closed
 

@@ -28,7 +28,7 @@ def spawn_loader(dataset: Any, **options: Any) -> aioloader.DataLoader:
 
 
 def standby_pids(loader: aioloader.DataLoader) -> set[int]:
-    pool = loader._run.standby
+    pool = loader._run.owned.standby
     assert pool is not None
     pids = pool.pids()  # once started
     assert None not in pids and len(pids) == 2
@@ -95,7 +95,7 @@ def test_a_loader_that_never_iterated_leaves_no_process(how: str) -> None:
 
 def test_an_unpicklable_dataset_starts_no_process_and_fails_clearly() -> None:
     with spawn_loader(Locked(4)) as loader:
-        pool = loader._run.standby
+        pool = loader._run.owned.standby
         assert pool is not None and pool.pids() == []  # the pool pickles the spec first
         with pytest.raises(aioloader.SourcePicklingError, match=r"the source \(Locked\)"):
             next(iter(loader))
@@ -128,7 +128,7 @@ KILLED = textwrap.dedent("""
     if __name__ == "__main__":
         loader = aioloader.DataLoader(Tagged(8), batch_size=2, num_workers=2,
                                       start_method="spawn", quiet=True)
-        pool = loader._run.standby
+        pool = loader._run.owned.standby
         victim, survivor = pool.pids()
         os.kill(victim, signal.SIGKILL)
         sentinel = next(s.process.sentinel for s in pool._idle if s.process.pid == victim)

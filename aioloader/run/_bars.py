@@ -15,7 +15,6 @@ class NoBar:
     tqdm's monitor thread in the user's process and costs the loop ~0.1 ms an epoch."""
 
     disable = True
-    n = 0
 
     def update(self, n: int = 1) -> None:
         pass

@@ -7,7 +7,7 @@ cache's size); the run applies what they return under its lock.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from typing import Any
 
 from .._config import LoaderConfig
@@ -81,15 +81,15 @@ def held_point(config: LoaderConfig, seed: int, cursor: Cursor,
         world_size=topo.world_size, shards=config.shape_shards)
 
 
-def cached_count(config: LoaderConfig, cached: int | None,
+def cached_count(config: LoaderConfig, cache: Sized | None,
                  resume: ResumePoint | None) -> int | None:
     """A cached reader's instance count for a state: the cache's, or, before the cache is
     read again after ``load_state_dict()``, the resume point's (a new rank's share, on a
     new shape)."""
     if not config.cached:
         return None
-    if cached is not None:
-        return cached
+    if cache is not None:
+        return len(cache)
     topo = config.topo
     return None if resume is None else cache_size(resume.instances, resume.history,
                                                   topo.rank, topo.world_size, config.shards)

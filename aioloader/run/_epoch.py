@@ -1,9 +1,7 @@
 """One epoch of iteration over a run: telemetry and the hand-over to the target device.
 
-An epoch is an async iterator object, deliberately not an async generator: dropping it
-half-way (``break``, ``next(iter(loader))``) is seen at once through a weak reference, so the
-next epoch never waits for the loop to finalize a generator; its backstop stops its workers
-on the loop it ran on.
+An async iterator object, not an async generator, so that dropping it half-way is seen at
+once (docs/architecture.md, "The loader"); its backstop stops its workers on its loop.
 """
 
 from __future__ import annotations
@@ -16,14 +14,13 @@ import weakref
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from .._errors import BatchFailure, LoaderBusyError
 from .._loops import running_loop
 from ..plane._device import move_to, pin
 from ..plane._staging import Stager
 from ._backstop import backstop, drop_backstop
-from ._bars import NO_BAR, shows_bars
+from ._bars import NO_BAR, progress_bar
 from ._run import Run
 from ._session import GRACE, Session
 
@@ -42,7 +39,7 @@ class Epoch:
         self._device = device
         self._private = private  # driven by the sync adapter's own loop
         self._session: Session | None = None
-        self._done = False
+        self.done = False  # ended: complete, stopped by an error, closed or superseded
         self._superseded = False  # a newer iteration of the loader took over
         self.waiting = False
         self._bar: Any = NO_BAR
@@ -52,11 +49,6 @@ class Epoch:
     def __aiter__(self) -> Epoch:
         return self
 
-    @property
-    def done(self) -> bool:
-        """The epoch ended: complete, stopped by an error, closed or superseded."""
-        return self._done
-
     async def __anext__(self) -> Any:
         if self._superseded:
             raise LoaderBusyError(
@@ -64,7 +56,7 @@ class Epoch:
                 "or `async for` started anew, as torch's DataLoader allows), which stopped "
                 "this one. Iterate the newer one, or make a second DataLoader to have two "
                 "epochs at once")
-        if self._done:
+        if self.done:
             raise StopAsyncIteration
         run = self._run
         began = time.monotonic()
@@ -73,7 +65,9 @@ class Epoch:
             if session is None:
                 session = self._session = await run.begin(self, self._private)
                 self._backstop = backstop(self, _close_dropped, weakref.ref(run), session)
-                self._bar = _bar(run)
+                self._bar = progress_bar(run.config.output.quiet, total=run.epoch_length,
+                                         initial=run.in_epoch_count, desc="batches",
+                                         unit="batch", dynamic_ncols=True)
                 run.meter.epoch_began(began)
             self.waiting = True
             try:
@@ -125,27 +119,23 @@ class Epoch:
     def abandon(self, superseded: bool = False) -> None:
         """Left behind by a new epoch: after it handed over all its batches, or before
         (``superseded``: its consumer is told so if it asks for more)."""
-        self._done = True
         self._superseded = superseded
         self._ended()
 
     async def aclose(self) -> None:
-        """Stop a half-consumed epoch and its workers (the loader can be iterated again).
-
-        An epoch that handed over all its batches is simply over: its workers stay.
-        """
-        if self._done:
+        """Stop a half-consumed epoch and its workers (the loader can be iterated again); one
+        that handed over all its batches is simply over: its workers stay."""
+        if self.done:
             return
-        self._done = True
         self._ended()
         await self._run.leave(self, self._session)
 
     async def _finish(self, *, stop: bool, grace: float = GRACE) -> None:
-        self._done = True
         self._ended()
         await self._run.end(self, self._session, stop=stop, grace=grace)
 
     def _ended(self) -> None:
+        self.done = True
         if self._backstop is not None:
             drop_backstop(self._backstop)
         if not self._bar.disable:
@@ -155,12 +145,9 @@ class Epoch:
 
 
 class EpochSetter:
-    """``loader.sampler``: only ``set_epoch(epoch)``, passed on to the loader.
-
-    Lightning (and other loops written for torch's DataLoader) call
-    ``dataloader.sampler.set_epoch(epoch)`` before each epoch; this keeps the loader's epoch
-    in step with theirs, which matters when they resume from a checkpoint.
-    """
+    """``loader.sampler``: only ``set_epoch(epoch)``, passed on to the loader. Lightning (and
+    other loops written for torch's DataLoader) call it before each epoch: the loader's epoch
+    stays in step with theirs, which matters when they resume from a checkpoint."""
 
     def __init__(self, loader: Any) -> None:
         self._loader = weakref.ref(loader)
@@ -173,11 +160,8 @@ class EpochSetter:
 
 def _close_dropped(run_ref: weakref.ref[Run], session: Session) -> None:
     """An epoch was dropped half-way: stop its workers on its loop, if that loop runs, or
-    here and now if that loop is closed.
-
-    Otherwise (the sync adapter's loop between two calls) the next epoch, a close or the
-    loader's backstop does it.
-    """
+    here and now if that loop is closed; otherwise (the sync adapter's loop between two
+    calls) the next epoch, a close or the loader's backstop does it."""
     loop = session.loop
     if os.getpid() != session.owner_pid or loop is None:
         return
@@ -194,7 +178,7 @@ def _close_dropped(run_ref: weakref.ref[Run], session: Session) -> None:
         if run is not None and run.rewinds(session):
             session.detach()  # persistent workers: the next epoch starts the pass again
             return
-        closing = run.drop_session(session) if run is not None else session.aclose()
+        closing = run.owned.drop(session) if run is not None else session.aclose()
         task = loop.create_task(closing)
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
@@ -222,9 +206,3 @@ def _show_stall(bar: Any, run: Run) -> None:
     bar.set_postfix_str(f"data stall {meter.wait / max(meter.wall(), 1e-9):.0%}",
                         refresh=False)
 
-
-def _bar(run: Run) -> Any:
-    if not shows_bars(run.config.output.quiet):
-        return NO_BAR
-    return tqdm(total=run.known_length(), initial=run.in_epoch_count, desc="batches",
-                unit="batch", dynamic_ncols=True)

@@ -1,8 +1,7 @@
 """What a run owns that must be stopped: its session, its standbys and its portal.
 
-Apart from the run so that the loader's garbage-collector backstop holds only these: the
-rest of a run (a ``WorkerDied`` kept in its restart budget, with its traceback through the
-epoch that raised it, which holds the loader) would otherwise keep the loader alive.
+Apart from the run so that the loader's garbage-collector backstop holds only these
+(docs/architecture.md, "The run": the rest of a run can hold the loader).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ class Owned:
             return
         session, self.session = self.session, None
         if session is not None:
-            session.kill()
+            session.close(0.0)
         if self.standby is not None:
             self.standby.close(0.0)
         self.portal.close()
@@ -69,14 +68,12 @@ class Owned:
                 self.session = None
         await session.aclose(grace)
 
-    def hold(self, session: Session) -> bool:
+    def hold(self, session: Session) -> None:
         """Make ``session`` the run's if it has none (a pass read outside an epoch: a close
-        must reach it); whether it did."""
+        must reach it)."""
         with self._lock:
-            held = self.session is None
-            if held:
+            if self.session is None:
                 self.session = session
-        return held
 
     def take(self) -> Session | None:
         """The session, which is no longer the run's."""

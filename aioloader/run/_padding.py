@@ -34,108 +34,68 @@ KEPT = 2  # batches held for repeating, at least (num_workers, if more: a round 
 
 class Even:
     """A run's epochs over a stream under ``even_batches``: the epoch goes on while any
-    rank has a batch of its pass, and a rank whose pass is over repeats its first batches
-    (:class:`Padding`); with ``drop_last``, it ends when the first rank's pass does (the
-    rest is dropped). ``fresh``: a producer of the current pass from its start."""
+    rank has a batch of its pass, and a rank whose pass is over repeats its first batches;
+    with ``drop_last``, it ends when the first rank's pass does (the rest is dropped).
+    ``fresh``: a producer of the current pass from its start."""
 
     def __init__(self, config: LoaderConfig, fresh: Callable[[], Producer]) -> None:
         self._config = config
         self._fresh = fresh
-        self.padding: Padding | None = None  # this rank's pass is over, not the others'
+        self.repeats: list[Delivered] | None = None  # this rank's pass is over, not the others'
+        self._handed = 0  # repeats handed over
+        self._stream: Callable[[], StreamPosition] | None = None  # the cursor's, while padding
 
     async def next(self, session: Session, cursor: Cursor) -> tuple[Delivered | None, bool]:
         """The next batch and whether it is a repeat; ``(None, False)`` at the epoch's end,
         the same step for every rank, once the session's pass end is read."""
         c = self._config
-        timeout, drop, pad = c.output.timeout, c.batching.drop_last, self.padding
-        step: Step = PassDone(False) if pad is not None else await session.next(timeout)
-        if pad is None and isinstance(step, PassDone) and step.empty and not drop:
-            pad = self._pad()  # nothing of the pass came here: has the pass any batch?
-            await pad.prime()
+        timeout, drop, repeats = c.output.timeout, c.batching.drop_last, self.repeats
+        step: Step = PassDone(False) if repeats is not None else await session.next(timeout)
+        if repeats is None and isinstance(step, PassDone) and step.empty and not drop:
+            repeats = await self._first()  # nothing of the pass came here: has it any batch?
         has = isinstance(step, Delivered)
         some, out, stuck = await asyncio.to_thread(
-            maxima, c.topo, [has, not has, pad is not None and pad.empty])
+            maxima, c.topo, [has, not has, repeats is not None and not repeats])
         if some and not (stuck or (drop and out)):
             if isinstance(step, Delivered):
                 return step, False
-            if self.padding is None:  # this rank's pass is over, not the others'
-                self.padding = pad = pad or self._pad()
-                stream = pad.stream = cursor.stream
+            if self.repeats is None:  # this rank's pass is over, not the others'
+                self.repeats = repeats = repeats if repeats is not None else await self._first()
+                self._handed = 0
+                stream = self._stream = cursor.stream
                 if stream is not None:  # a state taken now: this rank's pass is over
                     cursor.stream = lambda: replace(stream(), pending=())
-            assert pad is not None
-            repeat = await pad.next()
-            assert repeat is not None, "a pass with batches has a first one"
-            return repeat, True
+            assert repeats, "a pass with batches has a first one"
+            kept = repeats[self._handed % len(repeats)]
+            self._handed += 1
+            return Delivered(copy.deepcopy(kept.value), nbytes=kept.nbytes), True
         if stuck and some:
-            warnings.warn(even_refusal(c.topo.rank), stacklevel=5)
+            warnings.warn(
+                f"even_batches: a rank's pass over the stream gave it no batch at all (rank "
+                f"{c.topo.rank} or another), so it has none to repeat while the others go on: "
+                "the epoch ends for every rank, and the rest of the others' pass is not seen. "
+                "Give every rank and worker some data (fewer workers, or more instances), or "
+                "pass even_batches=False", stacklevel=5)
         while not isinstance(step, PassDone):  # the epoch ends here for every rank
             step = await session.next(timeout)
-        if self.padding is not None:
-            cursor.stream, self.padding = self.padding.stream, None
+        if self.repeats is not None:
+            cursor.stream, self.repeats = self._stream, None
         return None, False
 
-    def _pad(self) -> Padding:
-        return Padding(self._fresh, self._config.workers.num_workers,
-                       self._config.output.timeout)
-
-
-class Padding:
-    """The repeats of one rank in one pass (see the module docstring).
-
-    ``fresh``: a producer of the pass from its start (no resume point, no frontier).
-    """
-
-    def __init__(self, fresh: Callable[[], Producer], kept: int,
-                 timeout: float | None) -> None:
-        self._fresh = fresh
-        self._kept = max(kept, KEPT)
-        self._timeout = timeout
-        self._batches: list[Delivered] | None = None  # None: not read yet
-        self.handed = 0  # repeats handed over
-        self.stream: Callable[[], StreamPosition] | None = None  # the cursor's, while padding
-
-    @property
-    def empty(self) -> bool:
-        """The pass was read from its start and gave this rank no batch at all."""
-        return self._batches is not None and not self._batches
-
-    async def prime(self) -> None:
-        """Read the pass's first batches now (before they are due)."""
-        if self._batches is None:
-            self._batches = await self._read()
-
-    async def next(self) -> Delivered | None:
-        """A copy of the next repeat; None when the pass gave no batch at all."""
-        await self.prime()
-        assert self._batches is not None
-        if not self._batches:
-            return None
-        kept = self._batches[self.handed % len(self._batches)]
-        self.handed += 1
-        return Delivered(copy.deepcopy(kept.value), nbytes=kept.nbytes)
-
-    async def _read(self) -> list[Delivered]:
-        """The pass's first batches, copied (the consumer owns the values it gets)."""
+    async def _first(self) -> list[Delivered]:
+        """The pass's first batches, read from its start by a session of their own, and
+        copied (the consumer owns the values it gets)."""
         session = Session(self._fresh())
         batches: list[Delivered] = []
+        kept = max(self._config.workers.num_workers, KEPT)
         try:
             await session.start()
             session.attach()
-            while len(batches) < self._kept:
-                step = await session.next(self._timeout)
+            while len(batches) < kept:
+                step = await session.next(self._config.output.timeout)
                 if isinstance(step, PassDone):
                     break
                 batches.append(Delivered(copy.deepcopy(step.value), nbytes=step.nbytes))
         finally:
             await session.aclose()
         return batches
-
-
-def even_refusal(rank: int) -> str:
-    """Why ranks end a stream's epoch with instances left: a rank has none to repeat."""
-    return (f"even_batches: a rank's pass over the stream gave it no batch at all (rank "
-            f"{rank} or another), so it has none to repeat while the others go on: the "
-            "epoch ends for every rank, and the rest of the others' pass is not seen. Give "
-            "every rank and worker some data (fewer workers, or more instances), or pass "
-            "even_batches=False")

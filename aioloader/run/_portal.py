@@ -1,11 +1,7 @@
 """Portal: an event loop kept for a loader's lifetime, running coroutines for plain code.
 
-In a plain script that loop (asyncio's own) runs in the caller's thread, one run of it per
-batch, which the batch's coroutine stops itself (no ``asyncio.Runner`` per call: its SIGINT
-handling costs milliseconds a batch, see issue 9). Where the caller's thread already runs a
-loop (Jupyter, an async framework) the portal's loop runs in a thread of its own. Keeping the
-loop lets a pass that spans sync epochs keep what its reader bound to it (aiofiles files, for
-one).
+How it runs, and why not ``asyncio.Runner``, is docs/architecture.md's "sync adapter". Keeping
+the loop lets a pass that spans sync epochs keep what its reader bound to it (aiofiles files).
 """
 
 from __future__ import annotations
@@ -35,12 +31,7 @@ _PORTALS: weakref.WeakSet[Portal] = weakref.WeakSet()
 def _orphan_loops_in_child() -> None:
     for portal in list(_PORTALS):
         _INHERITED.append((portal.loop, portal._thread_loop))
-        portal.loop = portal._thread_loop = None
-        portal._thread = None
-        portal._driver = None
-        portal._handed = []
-        portal._in_flight = 0
-        portal._cond = threading.Condition()
+        portal._reset()
     _PORTALS.clear()
 
 
@@ -66,14 +57,15 @@ def _let_frames_go(end: StopAsyncIteration) -> None:
 
 
 class Portal:
-    """Runs coroutines to completion for synchronous callers, on a loop kept between calls.
-
-    One thread drives the loop at a time. A thread that wants a coroutine run while another
-    drives (``close()`` from a watchdog thread while the main thread waits for a batch)
-    hands it to the driver, which runs it before it lets go of the loop.
-    """
+    """Runs coroutines to completion for synchronous callers, on a loop kept between calls;
+    a call from another thread while one drives is handed to the driver."""
 
     def __init__(self) -> None:
+        self._reset()
+        _PORTALS.add(self)
+
+    def _reset(self) -> None:
+        """No loop, no thread, no caller (also a forked child's, whose loops are kept)."""
         self.loop: asyncio.AbstractEventLoop | None = None  # driven by callers' threads
         self._thread_loop: asyncio.AbstractEventLoop | None = None  # for callers with a loop
         self._thread: threading.Thread | None = None
@@ -81,7 +73,6 @@ class Portal:
         self._driver: int | None = None
         self._handed: list[concurrent.futures.Future[Any]] = []
         self._in_flight = 0  # calls running on the thread loop
-        _PORTALS.add(self)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` and return its result, from any thread."""
@@ -219,12 +210,8 @@ class Portal:
             if thread is threading.current_thread():
                 tloop.call_soon(tloop.stop)
                 return
-
-            async def shutdown() -> None:
-                await tloop.shutdown_asyncgens()
-
             with contextlib.suppress(RuntimeError, concurrent.futures.CancelledError):
-                asyncio.run_coroutine_threadsafe(shutdown(), tloop).result()
+                asyncio.run_coroutine_threadsafe(tloop.shutdown_asyncgens(), tloop).result()
             tloop.call_soon_threadsafe(tloop.stop)
             thread.join()
             tloop.close()

@@ -24,10 +24,8 @@ from ._setup import Setup
 
 class Reading:
     """The instances of a pass, the cache they fill once (cached mode), and ``len()``.
-
     ``setup`` and ``next_pass`` are the run's, asked when needed (a loaded state changes
-    both); a pass is read in a session that ``owned`` holds while no epoch's does.
-    """
+    both); a pass is read in a session that ``owned`` holds while no epoch's does."""
 
     def __init__(self, config: LoaderConfig, owned: Owned, setup: Callable[[], Setup],
                  next_pass: Callable[[], int]) -> None:
@@ -77,9 +75,8 @@ class Reading:
     def known_length(self) -> int | None:
         """The epoch's length where it is known without reading anything."""
         c = self._config
-        if c.batching.batches_per_epoch is not None:
-            return c.batching.batches_per_epoch
-        if c.kind is Kind.MAP or self.cache is not None:
+        if (c.batching.batches_per_epoch is not None or c.kind is Kind.MAP
+                or self.cache is not None):
             return self.length()
         return None
 
@@ -94,38 +91,37 @@ class Reading:
             for item in self.cache:
                 yield item
             return
-        items: list[Any] = []
         async for chunk in self._read_pass():
-            if c.cached:
-                items.extend(chunk)
             for item in chunk:
                 yield item
-        if c.cached:
-            self.cache = CachedInstances(items)
 
     async def ensure_cache(self) -> CachedInstances:
         """The cache, read first if it was not (with a progress bar)."""
         if self.cache is None:
-            items: list[Any] = []
             with progress_bar(self._config.output.quiet, desc="loading instances",
                               unit="instance") as bar:
                 async for chunk in self._read_pass():
-                    items.extend(chunk)
                     bar.update(len(chunk))
-            self.cache = CachedInstances(items)
+        assert self.cache is not None
         return self.cache
 
     async def _read_pass(self) -> AsyncIterator[list[Any]]:
-        """One pass of instances, in chunks: in this process, or through workers (sharded)."""
+        """One pass of instances, in chunks: in this process, or through workers (sharded);
+        in cached mode, kept as the cache once the pass is read to its end."""
         session = Session(self._setup().instances(self._next_pass()))
         self._owned.hold(session)  # a close() while the cache fills must reach it
+        items: list[Any] = []
         try:
             await session.start()
             session.attach()
             while True:
                 step = await session.next(self._config.output.timeout)
                 if isinstance(step, PassDone):
-                    return
+                    break
+                if self._config.cached:
+                    items.extend(step.value)
                 yield step.value
         finally:
             await self._owned.drop(session)  # (no longer the run's, if it was)
+        if self._config.cached:
+            self.cache = CachedInstances(items)

@@ -1,21 +1,16 @@
 """Run: what a loader's epochs share over its life, and the one owner of it.
 
-A :class:`Run` owns the session (the workers, kept between epochs), the standby processes,
-the pass counters, the consumer's cursor and the resume point, and says where the loader
-stands: its :class:`~aioloader.run._phase.Phase`, which every method reads to decide and
-changes only through :meth:`Run._move`, under the run's lock, by the table of
-``_phase.TRANSITIONS`` (docs/architecture.md, "The run's phase").
-
-An epoch iterator (``_epoch.Epoch``) drives it through :meth:`begin`, :meth:`next`,
-:meth:`end` and :meth:`leave`, and touches nothing else. A run holds no reference to its
-loader, so the loader's garbage-collector backstop can stop what it owns (:class:`Owned`).
+Its :class:`~aioloader.run._phase.Phase` changes only through :meth:`Run._move`, under the
+run's lock (docs/architecture.md, "The run" and "The run's phase"). A run holds no reference
+to its loader, so the loader's garbage-collector backstop can stop what it owns (:class:`Owned`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from .._config import LoaderConfig, draw_seed
@@ -25,7 +20,6 @@ from ..pipeline._loads import SkipLog
 from ..plans._sources import Kind
 from ..plans._state import Cursor, ResumePoint
 from ..workers._phases import RestartBudget
-from ..workers._producers import CachedInstances
 from ..workers._standby import StandbyPool
 from ..workers._starting import warm_forkserver
 from ..workers._steps import Delivered, PassDone
@@ -72,7 +66,7 @@ class Run:
         self._lock = threading.Lock()
         self._epoch: weakref.ref[EpochHandle] | None = None  # set in IN_EPOCH, ALL_HANDED
         self._produced = 0  # batches the epoch in progress handed over
-        self._length: int | None = None  # the epoch in progress's, where known
+        self.epoch_length: int | None = None  # the epoch in progress's, where known
         self._next_pass = 0  # the pass the session's stream is at
         self._session_pass = 0  # the pass the current session started with
         self._cursor = Cursor()  # where the consumer stands (state_dict)
@@ -83,39 +77,18 @@ class Run:
         # the script's own set-up (issue 13): standbys, or the process's forkserver.
         standby = (StandbyPool(config.source, config.workers.num_workers)
                    if warm == "spawn" else None)
-        # the sync adapter's loop (and the close's between epochs)
         self.owned = Owned(Portal(), standby, self._lock)
         self.reading = Reading(config, self.owned, lambda: self._setup,
                                lambda: self._next_pass)
         self._configure(config.seed)
         if warm == "forkserver":
             warm_forkserver(config.source)
-        if self.standby is not None:
+        if standby is not None:
             # Imports in the background (aioloader/workers/_starting.py), unless the spec
             # cannot be pickled: then no process starts at all, and the first epoch says why.
-            self.standby.start({"source": config.source, "collate_fn": config.collate_fn,
-                                "options": config.batching.options,
-                                "worker_init_fn": config.workers.init_fn})
-
-    @property
-    def portal(self) -> Portal:
-        return self.owned.portal
-
-    @property
-    def standby(self) -> StandbyPool | None:
-        return self.owned.standby
-
-    @property
-    def cache(self) -> CachedInstances | None:
-        return self.reading.cache
-
-    @property
-    def _session(self) -> Session | None:
-        return self.owned.session
-
-    @_session.setter
-    def _session(self, session: Session | None) -> None:
-        self.owned.session = session
+            standby.start({"source": config.source, "collate_fn": config.collate_fn,
+                           "options": config.batching.options,
+                           "worker_init_fn": config.workers.init_fn})
 
     def _configure(self, seed: int | None) -> None:
         """What depends on the seed: the plans and the workers' setup. None: the seed is
@@ -134,7 +107,7 @@ class Run:
     @property
     def _setup(self) -> Setup:
         if self._made is None:
-            self._made = Setup(self.config, self.seed, self.budget, self.skips, self.standby,
+            self._made = Setup(self.config, self.seed, self.budget, self.skips, self.owned.standby,
                                self._pads)
         return self._made
 
@@ -158,18 +131,9 @@ class Run:
     # ------------------------------------------------------------------ epochs
 
     async def begin(self, epoch: EpochHandle, private: bool) -> Session:
-        """``epoch`` begins: the session that serves it, attached to the running loop.
-
-        What it does is the phase's: from IDLE or CLOSED, a session is started (or the
-        kept one used); over an epoch that handed over all its batches (ALL_HANDED) or
-        after one (PASS_OWED), the pass end is taken first, even if nobody asked for it
-        (Lightning, zip() and islice() take len(loader) batches and move on); over one
-        half-way (IN_EPOCH, alive or dropped), it is superseded, as torch's second
-        ``iter(loader)`` starts over: its consumer is told so if it asks again (unless it
-        waits for a batch right now, in another task or thread: then this one is refused,
-        LoaderBusyError), and its pass starts again (REWIND_OWED: on the same workers).
-        A close in progress (CLOSING) refuses it: LoaderClosedError.
-        """
+        """``epoch`` begins: the session that serves it, attached to the running loop. What
+        it does is the phase's (docs/architecture.md, "The run's phase"); over an epoch
+        that waits for a batch right now, in another task or thread, it is refused."""
         with self._lock:
             phase = self.phase
             if phase is Phase.CLOSING:
@@ -188,24 +152,23 @@ class Run:
             self._epoch = weakref.ref(epoch)
         if current is not None:
             current.abandon(superseded=phase is Phase.IN_EPOCH)
-        before = self._session
+        before = self.owned.session
         if phase is Phase.IN_EPOCH and before is not None:  # one was left half-way
             if self.rewinds(before):
                 phase = Phase.REWIND_OWED
             else:
-                await self.drop_session(before)  # this epoch starts that pass again
-        live = before is not None and not before.closed and self._session is before
+                await self.owned.drop(before)  # this epoch starts that pass again
+        live = before is not None and not before.closed and self.owned.session is before
         if phase in _OWING and not live:
             self._pay()  # its pass end went with its session
-        session = await self._started_session()
-        session.attach(private=private)
+        session = await self._started_session(private)
         if session is before and phase is Phase.REWIND_OWED:  # persistent workers
             await session.rewind(self._next_pass, self.config.output.timeout)
             self._cursor.in_pass = 0
         elif session is before and phase in _OWING and not self._streaming_on:
             session = await self._finish_pass(session, private)
         self._produced = self._cursor.begin_epoch()
-        self._length = self.known_length()
+        self.epoch_length = self.reading.known_length()
         return session
 
     def rewinds(self, session: Session) -> bool:
@@ -229,10 +192,8 @@ class Run:
         # The epoch was longer than len() said (a sampler whose len() is off): start the
         # pass again rather than lose the batch just taken.
         session.detach()
-        await self.drop_session(session)
-        session = await self._started_session()
-        session.attach(private=private)
-        return session
+        await self.owned.drop(session)
+        return await self._started_session(private)
 
     async def next(self, session: Session) -> Delivered | BatchFailure | None:
         """The epoch's next batch, counted as handed over; None at the epoch's end. A torch
@@ -277,7 +238,7 @@ class Run:
         says) moves the phase to ALL_HANDED, here and nowhere else."""
         self._produced += 1
         self._cursor.delivered()
-        if self._length is not None and self._cursor.in_epoch >= self._length:
+        if self.epoch_length is not None and self._cursor.in_epoch >= self.epoch_length:
             with self._lock:
                 if self._epoch is not None:  # (not after a close from another thread)
                     self._move(Event.LAST_BATCH)
@@ -324,7 +285,7 @@ class Run:
                 self._hold_position()
                 stop = True
         if stop:
-            await self.drop_session(session, grace)
+            await self.owned.drop(session, grace)
         elif not session.closed:
             session.detach()
 
@@ -358,11 +319,12 @@ class Run:
 
     # ------------------------------------------------------------------ sessions
 
-    async def _started_session(self) -> Session:
-        """The session for the next epoch, started; a new one when the pass moved."""
-        session = self._session
+    async def _started_session(self, private: bool) -> Session:
+        """The session for the next epoch, started and attached (``private``: to the sync
+        adapter's loop); a new one when the pass moved."""
+        session = self.owned.session
         if session is not None and (session.closed or self._session_pass != self._next_pass):
-            await self.drop_session(session)
+            await self.owned.drop(session)
             session = None
         if session is None:
             resume, self._resume = self._resume, None
@@ -371,8 +333,8 @@ class Run:
             cache = await self.reading.ensure_cache() if self.config.cached else None
             producer = self._setup.producer(self._next_pass, resume, cache)
             session = Session(producer)
-            self._session = session
-            self._even.padding = None
+            self.owned.session = session
+            self._even.repeats = None
             self._session_pass = self._next_pass
             with self._lock:
                 carried = self._cursor.carried if resume is not None else None
@@ -381,27 +343,8 @@ class Run:
                                       carried=carried,
                                       history=resume.history if resume else ())
             await session.start()
+        session.attach(private=private)
         return session
-
-    async def drop_session(self, session: Session, grace: float = GRACE) -> None:
-        await self.owned.drop(session, grace)
-
-    def session_is(self, session: Session) -> bool:
-        return self._session is session
-
-    # ------------------------------------------------------------------ reading
-
-    def length(self) -> int:
-        """len(loader): batches per epoch (a cached reader is read for it, once)."""
-        return self.reading.length()
-
-    def known_length(self) -> int | None:
-        """The epoch's length where it is known without reading anything."""
-        return self.reading.known_length()
-
-    def instances(self) -> AsyncIterator[Any]:
-        """The instances of one pass, unbatched (cached mode fills its cache on the way)."""
-        return self.reading.instances()
 
     # ------------------------------------------------------------------ state
 
@@ -422,7 +365,7 @@ class Run:
             self._move(Event.LOAD)  # the state says where the next epoch starts: nothing owed
             # Workers that persisted from an earlier epoch are elsewhere; standbys hold
             # nothing of it and stay for the next session.
-            session, self._session = self._session, None
+            session, self.owned.session = self.owned.session, None
             if point.seed != self._seed:
                 self._configure(point.seed)
             self._resume = point
@@ -430,7 +373,7 @@ class Run:
             self._cursor = resumed_cursor(point)
         if session is not None:
             self.owned.stop(session)
-        self.portal.close()
+        self.owned.portal.close()
         warn_skipping(self.config, point)
 
     def _hold_position(self) -> None:
@@ -443,12 +386,10 @@ class Run:
             self._resume = held_point(self.config, self.seed, cursor, self._cached_count())
 
     def _cached_count(self) -> int | None:
-        cache = self.cache
-        return cached_count(self.config, len(cache) if cache is not None else None,
-                            self._resume)
+        return cached_count(self.config, self.reading.cache, self._resume)
 
     def stats(self) -> LoaderStats:
-        session = self._session
+        session = self.owned.session
         workers, arena = session.producer.stats() if session is not None else ((), NO_ARENA)
         meter = self.meter
         wall = meter.wall()
@@ -464,32 +405,28 @@ class Run:
 
     async def aclose(self) -> None:
         """Stop the workers, on the loop they are attached to, without blocking this one."""
-        self._closing()
-        try:
+        with self._closing():
             await self.owned.aclose()
-        finally:
-            self._closed()
 
     def close(self) -> None:
         """Blocking :meth:`aclose`, from any thread; also ends the portal's loops."""
-        self._closing()
-        try:
+        with self._closing():
             self.owned.close()
-        finally:
-            self._closed()
 
-    def _closing(self) -> None:
-        """A close begins: no epoch is current any more, and one whose batches were all
-        handed over has its pass end counted (the pass end goes with its session)."""
+    @contextlib.contextmanager
+    def _closing(self) -> Iterator[None]:
+        """A close runs: no epoch is current any more, and one whose batches were all handed
+        over has its pass end counted (it goes with its session); the last close running
+        makes the run CLOSED."""
         with self._lock:
             if self.phase in _OWING:
                 self._pay()
             self._move(Event.CLOSE)
             self._closers += 1
-
-    def _closed(self) -> None:
-        """A close is over; the last one running makes the run CLOSED."""
-        with self._lock:
-            self._closers -= 1
-            if self._closers == 0:
-                self._move(Event.CLOSED)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._closers -= 1
+                if self._closers == 0:
+                    self._move(Event.CLOSED)

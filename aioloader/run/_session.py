@@ -1,17 +1,9 @@
 """Sessions: one lifecycle around whatever produces batches, in this process or in workers.
 
-A :class:`Session` owns one *producer* (the workers of a supervisor, or a reader or dataset
-driven in this process) and is the only place its state changes::
-
-    starting ──(started)──> idle <──(a step ends)── running
-       │                     │  └──(next())──────────^  │
-       └──── close from any task or thread, an error, a cancel, the GC ───> closing ──> closed
-
-Every wait of the consumer happens inside :meth:`Session.next`, and the session knows the
-task doing it. A close from another task or thread, or a timeout, cancels that task at its
-wait and turns the cancellation into :class:`LoaderClosedError` or
-:class:`LoaderTimeoutError`; nothing polls. A session outlives one epoch (workers persist,
-a stream continues) and one event loop: it is attached to the loop of the epoch running it.
+The states, and how a close or a timeout wakes the consumer at its one wait (inside
+:meth:`Session.next`), are docs/architecture.md's "One lifecycle". A session outlives one
+epoch (workers persist, a stream continues) and one event loop: it is attached to the loop
+of the epoch running it.
 """
 
 from __future__ import annotations
@@ -106,11 +98,8 @@ class Session:
         self.loop = None
 
     async def next(self, timeout: float | None = None) -> Step:
-        """The next batch or pass end.
-
-        ``timeout`` measures silence: it trips only when nothing at all was heard from
-        the producer (a batch, an instance, a worker's progress) for that long.
-        """
+        """The next batch or pass end; ``timeout`` measures silence: nothing at all heard
+        from the producer (a batch, an instance, a worker's progress) for that long."""
         return await self._step(self.producer.next, timeout)
 
     def rewinds(self) -> bool:
@@ -128,7 +117,7 @@ class Session:
         task = asyncio.current_task()
         assert task is not None and self.loop is not None
         with self._lock:
-            if self.state in (State.CLOSING, State.CLOSED):
+            if self.closed:
                 raise LoaderClosedError("the loader was closed; iterate it again to restart")
             self.state = State.RUNNING
             self._consumer = task
@@ -188,7 +177,7 @@ class Session:
     def _begin_close(self) -> bool:
         """Move to closing (once) and wake a consumer waiting in next()."""
         with self._lock:
-            if self.state in (State.CLOSING, State.CLOSED):
+            if self.closed:
                 return False
             self.state = State.CLOSING
             consumer, loop = self._consumer, self.loop
@@ -224,11 +213,6 @@ class Session:
             self.producer.close(grace)
         finally:
             self._end_close()
-
-    def kill(self) -> None:
-        """The garbage collector's backstop: only in the process that owns the workers."""
-        if os.getpid() == self.owner_pid:
-            self.close(0.0)
 
     @property
     def closed(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._config import LoaderConfig
@@ -45,18 +45,15 @@ from ._session import Producer
 
 @dataclass(frozen=True)
 class Setup:
-    """How a loader's producers (and their workers) are made, from its config and seed.
-
-    The run asks for a producer by what it wants (a stream, index batches, one pass of
-    instances); only here are worker specs built and supervisors made.
-    """
+    """How a loader's producers (and their workers) are made, from its config and seed: only
+    here are worker specs built and supervisors made."""
 
     config: LoaderConfig
     seed: int
-    budget: RestartBudget = field(default_factory=RestartBudget)  # max_worker_restarts
-    skips: SkipLog = field(default_factory=SkipLog)  # keys skipped on error, per loader
-    standby: StandbyPool | None = None  # spawn: warm processes for the first workers (issue 13)
-    pads: dict[int, int] = field(default_factory=dict)  # repeats planned, by pass
+    budget: RestartBudget  # max_worker_restarts
+    skips: SkipLog  # keys skipped on error, per loader
+    standby: StandbyPool | None  # spawn: warm processes for the first workers (issue 13)
+    pads: dict[int, int]  # a cached reader's repeats planned (even_batches), by pass
 
     @functools.cached_property
     def plan_spec(self) -> PlanSpec:
@@ -83,23 +80,19 @@ class Setup:
             start = StreamPosition.begin(first_pass, c.shards)
             if resume is not None and resume.stream is not None:
                 start = resume.stream
-            spec = self.plan_spec
-            # worker 0's seeds: one shard gives the same batches in or out of a worker
-            return self.stream(start, lambda pass_no: worker_seed(spec, pass_no, 0))
-        history = resume.history if resume is not None else ()
+            return self._stream(start)
+        history, spec = resume.history if resume is not None else (), self.plan_spec
         if c.kind is Kind.MAP:
             data: Any = c.source
-            plan = self._map_plan()
+            plan = self._plan(data)
             if history:
-                spec = self.plan_spec
                 plan = _first_pass(plan, first_pass,
                                    lambda: split_plan(spec, data, first_pass, history))
         else:
             assert cache is not None, "a cached reader's producer needs its cache"
             data = cache
-            plan = self._cached_plan(cache)
+            plan = self._plan(cache)
             if history:
-                spec = self.plan_spec
                 plan = _first_pass(plan, first_pass, lambda: local_plan(
                     spec, first_pass, history, len(cache), c.shards))
             elif resume is not None and resume.instances not in (None, len(cache)):
@@ -107,9 +100,15 @@ class Setup:
                     f"the state was taken over {resume.instances} instances, but the reader "
                     f"now gives {len(cache)}: the data changed, so the position in the epoch "
                     "means other batches")
-        ahead = sharding(self.plan_spec, shared=True) is not Sharding.AS_IS
-        return self.index(data, plan, first_pass, plan_ahead=ahead,
-                          skip=resume.in_pass if resume is not None else 0)
+        ahead = sharding(spec, shared=True) is not Sharding.AS_IS
+        skip = resume.in_pass if resume is not None else 0  # delivered of the first pass
+        if c.workers.num_workers == 0:
+            return LocalIndex(data, plan, first_pass, c.collate_fn, timed=c.workers.progress,
+                              skip=skip, loads=self._loads_of(data), skips=self.skips,
+                              ahead=c.workers.slots, plan_ahead=ahead,
+                              on_loop=c.workers.fetch_on_loop)
+        return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
+                           first_pass, c.workers.slots, plan_ahead=ahead, skip=skip)
 
     def reshape_refusal(self) -> str | None:
         """Why a state taken on another shape (world size; a stream's workers) cannot resume
@@ -200,14 +199,13 @@ class Setup:
             0, tuple(range(n)),
             max((p.stream.produced for p in states if p.stream is not None), default=0))
 
-    def _map_plan(self) -> Plan:
-        spec, data = self.plan_spec, self.config.source
-        return lambda pass_no: plan_epoch(spec, data, pass_no, shared=True)
-
-    def _cached_plan(self, data: CachedInstances) -> Plan:
+    def _plan(self, data: Sequence[Any]) -> Plan:
+        """Each pass's index batches of ``data``: the dataset (shared by the ranks), or a
+        cached reader's instances (each rank's own, evened out under ``even_batches``)."""
         spec, topo = self.plan_spec, self.config.topo
-        if not (topo.distributed and self.config.batching.even_batches):
-            return lambda pass_no: plan_epoch(spec, data, pass_no, shared=False)
+        shared = data is self.config.source
+        if shared or not (topo.distributed and self.config.batching.even_batches):
+            return lambda pass_no: plan_epoch(spec, data, pass_no, shared=shared)
 
         target: list[int] = []  # agreed once per cache, by the first plan of the session
         own = count_batches(spec, data, shared=False)
@@ -241,31 +239,20 @@ class Setup:
         return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,
                           budget=self.budget, skips=self.skips, standby=self.standby)
 
-    def stream(self, start: StreamPosition, seed_for: Callable[[int], int]) -> Producer:
+    def _stream(self, start: StreamPosition) -> Producer:
         """Batches of passes over a streaming source, each worker over its shard, from
         ``start`` on (``StreamPosition.begin(pass, shards)``: a pass's start)."""
-        c = self.config
+        c, spec = self.config, self.plan_spec
         if c.workers.num_workers == 0:
-            return LocalStream(c.source, c.kind, c.data_path, c.batching.options,
-                               c.collate_fn, seed_for, start.shards[0], c.topo.rank,
+            # worker 0's seeds: one shard gives the same batches in or out of a worker
+            return LocalStream(c.source, c.kind, c.data_path, c.batching.options, c.collate_fn,
+                               lambda pass_no: worker_seed(spec, pass_no, 0),
+                               start.shards[0], c.topo.rank,
                                c.topo.world_size, timed=c.workers.progress,
                                produced=start.produced, loads=c.loads, skips=self.skips)
         first_pass = min(p.pass_no for p in start.shards)
         sup = self._supervisor("stream", c.source, c.kind, first_pass, start.shards)
         return WorkerStream(sup, start)
-
-    def index(self, data: Sequence[Any], plan: Plan, first_pass: int, *,
-              plan_ahead: bool, skip: int = 0) -> Producer:
-        """Index batches of ``data`` (a dataset, or cached instances), planned by ``plan``;
-        ``skip``: batches of the first pass already delivered (a resume)."""
-        c = self.config
-        if c.workers.num_workers == 0:
-            return LocalIndex(data, plan, first_pass, c.collate_fn, timed=c.workers.progress,
-                              skip=skip, loads=self._loads_of(data), skips=self.skips,
-                              ahead=c.workers.slots, plan_ahead=plan_ahead,
-                              on_loop=c.workers.fetch_on_loop)
-        return WorkerIndex(self._supervisor("index", data, Kind.MAP, first_pass), plan,
-                           first_pass, c.workers.slots, plan_ahead=plan_ahead, skip=skip)
 
     def instances(self, pass_no: int) -> Producer:
         """One pass of a streaming source's instances, in chunks (to fill a cache)."""

@@ -1,33 +1,18 @@
-"""The sync adapter: drives the async loader from plain code; it adds nothing of its own.
-
-Each step runs on the loader's :class:`~aioloader.run._portal.Portal`, an event loop kept for the
-loader's lifetime.
-"""
+"""The sync adapter: drives the async loader from plain code, each step on the loader's
+:class:`~aioloader.run._portal.Portal`; it adds nothing of its own."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import torch
 
 from .._loops import running_loop
 from ..plane._staging import consumer_stream, handing_to
 from ._backstop import backstop, drop_backstop
+from ._epoch import Epoch
 from ._portal import Portal
-
-
-class Ending(Protocol):
-    """An epoch, as the sync face drives it: ``done`` once it ended (complete or stopped)."""
-
-    @property
-    def done(self) -> bool: ...
-
-    def __anext__(self) -> Awaitable[Any]: ...
-
-    def aclose(self) -> Awaitable[None]: ...
-
-    def __aiter__(self) -> AsyncIterator[Any]: ...
 
 
 class SyncLoader:
@@ -40,7 +25,7 @@ class SyncLoader:
         [[1, 2], [3]]
     """
 
-    def __init__(self, portal: Portal, epoch: Callable[[], Ending],
+    def __init__(self, portal: Portal, epoch: Callable[[], Epoch],
                  length: Callable[[], int], device: torch.device | None) -> None:
         self._portal = portal
         self._epoch = epoch
@@ -60,10 +45,10 @@ class SyncEpoch(Iterator[Any]):
     iterator does (issue 32). Dropped half-way, its epoch is closed (the backstop), as a
     generator's ``finally`` would."""
 
-    def __init__(self, portal: Portal, epoch: Ending,
+    def __init__(self, portal: Portal, epoch: Epoch,
                  device: torch.device | None) -> None:
         self._portal = portal
-        self._epoch: Ending | None = epoch
+        self._epoch: Epoch | None = epoch
         self.device = device
         self._backstop = backstop(self, _dropped, portal, epoch)
 
@@ -91,14 +76,14 @@ class SyncEpoch(Iterator[Any]):
         if epoch is not None:
             drop_backstop(self._backstop)
             if running_loop() is not self._portal.loop:  # (never from inside a step)
-                self._portal.call(_aclose(epoch))
+                self._portal.call(epoch.aclose())
 
 
-def _dropped(portal: Portal, epoch: AsyncIterator[Any]) -> None:
+def _dropped(portal: Portal, epoch: Epoch) -> None:
     """The backstop of an epoch dropped half-way: closed, without waiting where another
     thread drives the loop (:meth:`Portal.hand`)."""
     if running_loop() is not portal.loop:  # not from inside a step (a GC there)
-        portal.hand(_aclose(epoch))
+        portal.hand(epoch.aclose())
 
 
 async def _anext(it: AsyncIterator[Any], stream: Any = None) -> Any:
@@ -106,6 +91,3 @@ async def _anext(it: AsyncIterator[Any], stream: Any = None) -> Any:
     handing_to.set(stream)
     return await it.__anext__()
 
-
-async def _aclose(it: Any) -> None:
-    await it.aclose()
