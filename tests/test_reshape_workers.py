@@ -2,21 +2,30 @@
 
 Map-style and cached loaders give the batches of the uninterrupted run (their order does not
 depend on workers). A lazy stream is read in one shard per worker, so with W' its rest is
-read in W' new shards that skip what the old ones delivered: every instance once.
+read in W' new shards that skip what the old ones delivered: every instance once. A
+property test draws the stream's shape (workers and ranks, before and after), its blocks,
+shuffle and drop_last.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import json
 import warnings
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from resume_sources import AsyncReader, Items, StatefulReader, SyncReader
 
 import aioloader
+from aioloader import _config
+from aioloader.plans._distributed import Topology
 
 Make = Callable[[int], aioloader.DataLoader]
 
@@ -88,6 +97,84 @@ def test_a_stream_gives_every_instance_once(reader: str, shuffle: bool, before: 
     seen = collections.Counter(i for b in first + rest[0] for i in b)
     assert seen == collections.Counter(range(n))
     assert rest[1] == whole(make, after)[1]  # the next epoch is the new shape's own
+
+
+Shape = tuple[int, int]  # (num_workers, world size)
+SHAPES = st.tuples(st.integers(0, 3), st.integers(1, 2))
+Loaders = list[aioloader.DataLoader[Any]]  # one per rank
+
+
+def on_ranks(make: Callable[[], aioloader.DataLoader[Any]], world: int) -> Loaders:
+    """``make()`` once per rank of ``world``, as that rank (in this process: without
+    even_batches no collective is needed)."""
+    loaders = []
+    for rank in range(world):
+        with mock.patch.object(_config, "topology", lambda even, rank=rank: Topology(rank, world)):
+            loaders.append(make())
+    return loaders
+
+
+def rank_batches(loaders: Loaders, taken: list[int] | None = None,
+                 states: list[Any] | None = None) -> tuple[list[list[list[int]]], list[Any]]:
+    """Each rank's batches of one pass (``taken[r]`` of them, then its state through JSON),
+    from ``states`` (every rank's at one step) when given."""
+    batches, saved = [], []
+    with contextlib.ExitStack() as stack:
+        for loader in loaders:
+            stack.callback(loader.close)
+        for rank, loader in enumerate(loaders):
+            if states is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", aioloader.ResumeWarning)
+                    loader.load_state_dict(states)
+            got = itertools.islice(loader, None if taken is None else taken[rank])
+            batches.append([ids(b) for b in got])
+            if taken is not None:
+                saved.append(json.loads(json.dumps(loader.state_dict())))
+    return batches, saved
+
+
+@settings(max_examples=150, deadline=None)
+@given(reader=st.sampled_from(list(READERS)), n=st.integers(1, 50), batch_size=st.integers(1, 5),
+       room=st.integers(0, 10), shuffle=st.booleans(), drop_last=st.booleans(),
+       before=SHAPES, after=st.one_of(SHAPES, st.none()), data=st.data())
+def test_a_stream_resumed_on_any_shape_loses_and_repeats_nothing(
+        reader: str, n: int, batch_size: int, room: int, shuffle: bool, drop_last: bool,
+        before: Shape, after: Shape | None, data: st.DataObject) -> None:
+    """On its own shape (``after`` None) the rest is the uninterrupted pass's, batch for batch;
+    on another every instance once, but for drop_last's short batches: at most one per shard
+    of either shape (an old shard's pass that ended before the state, each new shard's).
+    A block is the whole batches that fit in ``batch_size + room`` instances."""
+    if reader == "stateful":  # one object per rank: thread workers sharing it
+        before = (min(before[0], 1), before[1])  # would race its one position
+        if after is not None:
+            after = (min(after[0], 1), after[1])
+    new_shape = after or before
+
+    def make(shape: Shape) -> Loaders:
+        return on_ranks(lambda: aioloader.DataLoader(
+            READERS[reader](n), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+            seed=2, num_workers=shape[0], worker_type="thread",
+            max_instances_in_memory=batch_size + room, even_batches=False, quiet=True),
+            shape[1])
+
+    whole, _ = rank_batches(make(before))
+    taken = [data.draw(st.integers(0, len(b)), label=f"taken[{r}]") for r, b in enumerate(whole)]
+    first, states = rank_batches(make(before), taken)
+    rest, _ = rank_batches(make(new_shape), states=states)
+    if after is None:
+        assert [f + r for f, r in zip(first, rest, strict=True)] == whole
+        return
+    batches = [b for part in first + rest for b in part]
+    seen = collections.Counter(i for b in batches for i in b)
+    assert max(seen.values(), default=1) == 1, "an instance was delivered twice"
+    assert set(seen) <= set(range(n))
+    if not drop_last:
+        assert len(seen) == n
+        return
+    assert all(len(b) == batch_size for b in batches)
+    shards = sum(max(workers, 1) * world for workers, world in (before, after))
+    assert n - len(seen) <= shards * (batch_size - 1)
 
 
 def test_a_stream_resumed_twice_on_new_shapes_within_one_epoch() -> None:
