@@ -323,25 +323,6 @@ def test_sharding_policy() -> None:
     assert sharding(PlanSpec(sampler=[[0, 1]]), shared=True) is Sharding.AS_IS
 
 
-def test_plan_spec_validates() -> None:
-    bad: list[dict[str, Any]] = [
-        dict(),
-        dict(batch_size=2, sampler=[[0]]),
-        dict(sampler=[[0]], shuffle=True),
-        dict(batch_size=0),
-        dict(batch_size=2, rank=2, world_size=2),
-        dict(batch_size=2, world_size=0),
-    ]
-    for options in bad:
-        with pytest.raises(ValueError):
-            PlanSpec(**options)
-
-
-def test_plan_spec_wants_an_int_seed() -> None:
-    with pytest.raises(TypeError, match="seed"):
-        PlanSpec(batch_size=2, seed=None)  # type: ignore[arg-type]
-
-
 def test_seeds_keep_their_formulas() -> None:
     spec = PlanSpec(batch_size=2, seed=21, rank=1, world_size=2)
     assert worker_seed(spec, 3, 2) == derive_seed(21, 3, 1, 2) & (2**63 - 1)  # WorkerSpec's

@@ -21,7 +21,6 @@ from ._distributed import even_out, shard_order, share_size
 from ._samplers import (
     Batches,
     BatchSampler,
-    check_options,
     derive_seed,
     index_batches,
     num_batches,
@@ -59,13 +58,6 @@ class PlanSpec:
     rank: int = 0
     world_size: int = 1
     even_batches: bool = True
-
-    def __post_init__(self) -> None:
-        check_options(self.batch_size, self.drop_last, self.shuffle, self.sampler)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {self.seed!r}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} of world_size {self.world_size} is not a rank")
 
 
 def sharding(spec: PlanSpec, *, shared: bool) -> Sharding:
