@@ -287,9 +287,10 @@ def test_a_buffer_is_never_refilled_before_its_copy_completed(gpu: FakeGpu) -> N
         same(g, w)
 
 
-def test_a_finished_copy_is_not_waited_for_again() -> None:
+def test_a_finished_copy_is_not_waited_for_again(monkeypatch: pytest.MonkeyPatch) -> None:
     fast = FakeGpu(eager=True)
-    stager = Stager(torch.device("cuda", 0), backend=fast)
+    monkeypatch.setattr(_staging, "backend_for", lambda device: fast)
+    stager = Stager(torch.device("cuda", 0))
     for i in range(6):
         same(stager.stage(sizes(100 + i)), sizes(100 + i))
     assert not [entry for entry in fast.log if entry[0] == "synchronize"]

@@ -111,9 +111,8 @@ def ring_allocations() -> int:
 class Stager:
     """Stages batches through a ring of pinned buffers to one CUDA device (one epoch's)."""
 
-    def __init__(self, device: torch.device, backend: Backend | None = None,
-                 slots: int = SLOTS) -> None:
-        self._backend = backend if backend is not None else backend_for(device)
+    def __init__(self, device: torch.device, slots: int = SLOTS) -> None:
+        self._backend = backend_for(device)
         self.device = self._backend.device
         self._stream = self._backend.side_stream()
         self._slots = [_Slot() for _ in range(slots)]
