@@ -55,7 +55,6 @@ class Workers:
     worker_type: str  # "process", "thread" or "ray"
     start_method: str  # torch's multiprocessing_context resolved
     nice: int  # worker_nice
-    prefetch: int  # as asked (torch's prefetch_factor resolved)
     slots: int  # batches in flight per worker: prefetch, or more for the load stage
     zero_copy: bool
     max_restarts: int
@@ -213,7 +212,7 @@ def build_config(reader: Any, data_path: Any = None, **arguments: Any) -> Loader
         max_instances_in_memory=chunk, even_batches=a["even_batches"])
     workers = Workers(
         num_workers=a["num_workers"], worker_type=a["worker_type"],
-        start_method=a["start_method"], nice=a["worker_nice"], prefetch=a["prefetch"],
+        start_method=a["start_method"], nice=a["worker_nice"],
         slots=_slots(a["prefetch"], batch_size, kind, loads), zero_copy=a["zero_copy"],
         max_restarts=a["max_worker_restarts"], max_batches=a["max_batches_per_worker"],
         max_rss=a["max_worker_rss"], init_fn=a["worker_init_fn"],

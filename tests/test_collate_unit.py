@@ -328,14 +328,6 @@ def test_allocator_is_restored_after_an_error() -> None:
     assert not arena.owns(new_tensor((4,), torch.float32))
 
 
-def test_allocator_returning_a_wrong_tensor_is_refused() -> None:
-    with (
-        use_allocator(lambda shape, dtype: torch.empty(7, dtype=dtype)),
-        pytest.raises(ValueError, match="asked for a cpu tensor of"),
-    ):
-        default_collate([torch.zeros(2), torch.zeros(2)])
-
-
 def test_mixed_dtypes_are_promoted_not_cast_into_the_allocator() -> None:
     samples = [torch.tensor([0.1], dtype=torch.float32), torch.tensor([0.1], dtype=torch.float64)]
     with use_allocator(Arena()):

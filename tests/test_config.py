@@ -73,7 +73,7 @@ def test_torch_aliases_are_resolved_in_the_config() -> None:
         pin_memory_device="")
     assert isinstance(config, LoaderConfig)
     assert config.workers.start_method == "spawn"  # multiprocessing_context
-    assert config.workers.prefetch == config.workers.slots == 3  # prefetch_factor
+    assert config.arguments["prefetch"] == config.workers.slots == 3  # prefetch_factor
     assert config.output.timeout is None  # timeout=0
     # sampler=: torch's BatchSampler over it, with batch_size and drop_last
     sampler = config.batching.batch_sampler
@@ -92,6 +92,6 @@ def test_the_load_stage_widens_the_slots_of_index_batches() -> None:
     loader = aioloader.DataLoader(list(range(64)), batch_size=4, load_fn=load,
                                   concurrency=32, num_workers=1, quiet=True)
     workers = loader.config.workers
-    assert workers.prefetch == 4
+    assert loader.prefetch == 4
     assert workers.slots == 9  # 32 loads over batches of 4, and one more being filled
     loader.close()

@@ -329,8 +329,8 @@ def spec_for(source: Any, kind: Kind, plan: str, *, loads: Any = None,
              **workers: Any) -> WorkerSpec:
     """A thread worker's spec; ``workers``: fields of its config part to change."""
     part = Workers(
-        num_workers=1, worker_type="thread", start_method="fork", nice=0, prefetch=2,
-        slots=2, zero_copy=True, max_restarts=0, max_batches=None, max_rss=None,
+        num_workers=1, worker_type="thread", start_method="fork", nice=0, slots=2,
+        zero_copy=True, max_restarts=0, max_batches=None, max_rss=None,
         init_fn=None, persistent=True, progress=False)
     return WorkerSpec(source=source, kind=kind, data_path=None, plan=plan,  # type: ignore[arg-type]
                       options=options(), collate_fn=list, workers=replace(part, **workers),

@@ -111,14 +111,12 @@ def ring_allocations() -> int:
 class Stager:
     """Stages batches through a ring of pinned buffers to one CUDA device (one epoch's)."""
 
-    def __init__(self, device: torch.device, backend: Backend | None = None,
-                 slots: int = SLOTS) -> None:
-        self._backend = backend if backend is not None else backend_for(device)
+    def __init__(self, device: torch.device, slots: int = SLOTS) -> None:
+        self._backend = backend_for(device)
         self.device = self._backend.device
         self._stream = self._backend.side_stream()
         self._slots = [_Slot() for _ in range(slots)]
         self._next = 0
-        self.allocations = 0  # of staging buffers by this stager: growth only
 
     def stage(self, batch: Any) -> Any:
         """``batch`` on the device, ready for the consumer's current stream. Synchronous on
@@ -172,7 +170,6 @@ class Stager:
         if need > capacity:
             slot.buffer = None  # its copies are done: the allocator may reuse it at once
             slot.buffer = self._backend.pinned(max(need, 2 * capacity))  # geometric growth
-            self.allocations += 1
             _ALLOCATED[0] += 1
         return slot
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any, NamedTuple
 
-from ._samplers import BatchSampler, check_options, current_rng, derive_seed, index_batches
+from ._samplers import BatchSampler, current_rng, derive_seed, index_batches
 
 
 class Group(NamedTuple):
@@ -46,9 +46,6 @@ class Batcher:
         seed: int | None = None,
         first_block: int = 0,
     ) -> None:
-        check_options(batch_size, drop_last, shuffle, sampler)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
         self._batch_size = batch_size
         self._drop_last = drop_last
         self._sampler = sampler

@@ -62,8 +62,6 @@ def shard_order(order: torch.Tensor, rank: int, world: int, *, even: bool,
     ``even``: every rank gets the same number, by wrapping around (a few samples twice)
     or, with ``drop_last``, by leaving the remainder out. Otherwise rank r takes r, r+world, ...
     """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, {world}), got {rank}")
     n = order.numel()
     if even and n % world:
         if drop_last:

@@ -21,7 +21,6 @@ from ._distributed import even_out, shard_order, share_size
 from ._samplers import (
     Batches,
     BatchSampler,
-    check_options,
     derive_seed,
     index_batches,
     num_batches,
@@ -59,13 +58,6 @@ class PlanSpec:
     rank: int = 0
     world_size: int = 1
     even_batches: bool = True
-
-    def __post_init__(self) -> None:
-        check_options(self.batch_size, self.drop_last, self.shuffle, self.sampler)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {self.seed!r}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} of world_size {self.world_size} is not a rank")
 
 
 def sharding(spec: PlanSpec, *, shared: bool) -> Sharding:
@@ -133,38 +125,32 @@ def deal(spec: PlanSpec, data: Sequence[Any], epoch: int, order: torch.Tensor, *
     return _sampler_batches(spec, instances, epoch, Sharding.SPLIT)
 
 
-def count_batches(
-    spec: PlanSpec, data: Sequence[Any], *, shared: bool, target_batches: int | None = None
-) -> int:
+def count_batches(spec: PlanSpec, data: Sequence[Any], *, shared: bool) -> int:
     """`len(plan_epoch(...))` for any epoch, without making the plan (no collective).
 
-    For a cached reader in distributed mode, without `target_batches`, this is this rank's
-    own count. A user's sampler must have `len()`.
+    For a cached reader in distributed mode, this is this rank's own count (before
+    `target_batches` evens it out). A user's sampler must have `len()`.
     """
     policy = sharding(spec, shared=shared)
     if policy is Sharding.AS_IS:
         try:
-            count = len(spec.sampler)
+            return len(spec.sampler)
         except TypeError:
             raise TypeError(
                 f"batch_sampler {type(spec.sampler).__name__} has no len(): the number of "
                 "batches is unknown (pass batches_per_epoch)"
             ) from None
-    elif spec.sampler is not None:
+    if spec.sampler is not None:
         sampler: BatchSampler = spec.sampler
         if policy is Sharding.SPLIT and spec.world_size > 1:
             data = _Share(data, _dealt(spec, torch.arange(len(data))).tolist())
-        count = sampler.get_num_batches(data)
-    else:
-        assert spec.batch_size is not None
-        n = len(data)
-        if policy is Sharding.SPLIT:
-            n = share_size(n, spec.rank, spec.world_size, even=spec.even_batches,
-                           drop_last=spec.drop_last)
-        count = num_batches(n, spec.batch_size, spec.drop_last)
-    if target_batches is not None and count:
-        count = max(count, target_batches)  # even_out pads a non-empty plan only
-    return count
+        return sampler.get_num_batches(data)
+    assert spec.batch_size is not None
+    n = len(data)
+    if policy is Sharding.SPLIT:
+        n = share_size(n, spec.rank, spec.world_size, even=spec.even_batches,
+                       drop_last=spec.drop_last)
+    return num_batches(n, spec.batch_size, spec.drop_last)
 
 
 def worker_seed(spec: PlanSpec, epoch: int, worker: int) -> int:

@@ -46,8 +46,6 @@ def derive_seed(base: int, *parts: int) -> int:
     """
     h = hashlib.blake2b(digest_size=8, person=b"aioloader.seed")
     for n in (base, *parts):
-        if not isinstance(n, int):
-            raise TypeError(f"derive_seed takes ints, not {type(n).__name__} ({n!r})")
         raw = int(n).to_bytes((int(n).bit_length() + 8) // 8, "little", signed=True)
         h.update(len(raw).to_bytes(4, "little"))  # length prefix: (1, 23) != (12, 3)
         h.update(raw)
@@ -59,9 +57,6 @@ def derive_seed(base: int, *parts: int) -> int:
 
 def num_batches(n: int, batch_size: int, drop_last: bool) -> int:
     """How many batches `n` instances make."""
-    _check_batch_size(batch_size)
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
     return n // batch_size if drop_last else -(-n // batch_size)
 
 
@@ -152,16 +147,13 @@ def index_batches(
     The shuffle is `torch.randperm` (a Python-list shuffle of 2M indices takes ~1 s); a
     `random.Random` given as `rng` seeds the torch generator with 64 of its bits.
     """
-    check_options(batch_size, drop_last, shuffle, sampler)
     if sampler is not None:
-        if isinstance(instances_or_n, int):
-            raise TypeError("index_batches: a sampler needs the instances, not their number")
+        assert not isinstance(instances_or_n, int), "a sampler needs the instances"
         assert isinstance(rng, random.Random), "a BatchSampler draws from a random.Random"
         with use_rng(rng):
             return [list(b) for b in sampler.get_batch_indices(instances_or_n)]
-    assert batch_size is not None  # check_options
+    assert batch_size is not None  # (the loader's options: a batch size or a batch sampler)
     n = instances_or_n if isinstance(instances_or_n, int) else len(instances_or_n)
-    num_batches(n, batch_size, drop_last)  # a ValueError for n < 0 (torch.arange: RuntimeError)
     if not shuffle:
         return list(Batches(torch.arange(n), batch_size, drop_last))
     generator = rng if isinstance(rng, torch.Generator) else torch_generator(rng.getrandbits(64))
@@ -215,7 +207,8 @@ class BucketBatchSampler(BatchSampler):
         padding_noise: float = 0.1,
         drop_last: bool = False,
     ) -> None:
-        _check_batch_size(batch_size)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if isinstance(sorting_keys, str):
             raise ValueError(
                 f"sorting_keys must be a list of field names, not the str {sorting_keys!r}"
@@ -320,22 +313,3 @@ def _guess_key(instance: Any) -> str:
             f"a length (fields: {_field_names(instance)}); pass sorting_keys"
         )
     return best[1]
-
-
-def _check_batch_size(batch_size: int) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-
-
-def check_options(
-    batch_size: int | None, drop_last: bool, shuffle: bool, sampler: BatchSampler | None
-) -> None:
-    if sampler is not None:
-        if batch_size is not None or drop_last or shuffle:
-            raise ValueError(
-                "a batch sampler is mutually exclusive with batch_size, drop_last and shuffle"
-            )
-        return
-    if batch_size is None:
-        raise ValueError("give either batch_size or a batch sampler")
-    _check_batch_size(batch_size)
