@@ -9,7 +9,7 @@ import functools
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch.utils.data import IterDataPipe
@@ -198,16 +198,62 @@ class Serving:
             return functools.partial(self.pipe.collate, built.items), built.mark
         return lambda: built, None
 
-    def answering(self, items: list[Any],
-                  indices: list[Any] | None = None) -> tuple[Callable[[], Any], Any]:
-        """An index task's answer and mark: collated, or :data:`ALL_SKIPPED`."""
-        if items or self.stage is None:
-            return functools.partial(self.pipe.collate, items, indices), None
-        return lambda: None, ALL_SKIPPED
-
 
 def _raise(error: Exception) -> Any:
     raise error
+
+
+class Outlet(Protocol):
+    """How a built batch leaves its worker: a process's arena slot and wire message, or a
+    Ray call's reply. ``emit`` builds the batch with ``make()`` (a process's collate
+    allocates in the slot); it and ``failed``: False once the parent went away."""
+
+    async def emit(self, seq: int, make: Callable[[], Any], mark: Any) -> bool: ...
+
+    async def failed(self, seq: int, exc: Exception, mark: Any) -> bool: ...
+
+    async def retire(self) -> None: ...
+
+
+async def build(worker: Serving, out: Outlet, event: Build[Batch | list[Any]]) -> bool:
+    """Send one batch of the stream (or chunk of instances); False once the parent is gone.
+    A batch whose making raised (the source's error, or the collate's) is that batch's
+    error, and the stream goes on, as torch's does (issue 32); a chunk of instances has no
+    batch to fail: it ends the worker."""
+    make, mark = worker.making(event.batch)
+    try:
+        return await out.emit(event.seq, make, mark)
+    except Exception as exc:
+        if not isinstance(event.batch, Batch):
+            raise
+        return await out.failed(event.seq, exc, mark)
+
+
+async def answer(worker: Serving, out: Outlet, seq: int, indices: list[int],
+                 loaded: list[Any] | None = None, touch: Touch | None = None) -> bool:
+    """Send index batch ``seq``: ``indices`` fetched (or ``loaded`` by the load stage) and
+    collated, or :data:`ALL_SKIPPED` when the stage skipped every key; False once the worker
+    stops (its parent went away, or it retired). The dataset's or the collate's error is
+    that batch's and the next task follows, as torch's; with a load stage, it ends the
+    worker. A failed batch does not count for recycling."""
+    pipe = worker.pipe
+    try:
+        items = pipe.fetch(indices, touch) if loaded is None else loaded
+        # the indices name the sample a CollateKeyError is about
+        make: Callable[[], Any] = functools.partial(pipe.collate, items, indices)
+        mark = None
+        if not items and loaded is not None:
+            make, mark = (lambda: None), ALL_SKIPPED
+        if not await out.emit(seq, make, mark):
+            return False
+    except Exception as exc:
+        if loaded is not None:
+            raise
+        return await out.failed(seq, exc, None)
+    if worker.retirement.batch_done():
+        await out.retire()
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager
