@@ -9,8 +9,8 @@ from typing import Any, Literal
 from .._config import Workers
 from ..pipeline._loads import LoadOptions
 from ..pipeline._pipeline import BatchOptions, Pipeline
+from ..plans._planning import worker_seed
 from ..plans._position import ShardPosition
-from ..plans._samplers import derive_seed
 from ..plans._sources import Kind
 
 Plan = Literal["stream", "instances", "index"]
@@ -57,7 +57,7 @@ class WorkerSpec:
         return self.starts[self.worker_id]
 
     def seed_for(self, pass_no: int) -> int:
-        return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
+        return worker_seed(self.seed, pass_no, self.rank, self.worker_id)
 
     def pipeline(self) -> Pipeline:
         return Pipeline(self.source, self.kind, self.data_path, self.options, self.collate_fn,
