@@ -235,9 +235,8 @@ class Setup:
         if w.worker_type == "ray":  # actors on a Ray cluster, behind the same interface
             from ..workers._ray import RaySupervisor  # Ray is optional: imported only when used
 
-            return RaySupervisor(spec, w.num_workers, budget=self.budget, skips=self.skips)
-        return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,
-                          budget=self.budget, skips=self.skips, standby=self.standby)
+            return RaySupervisor(spec, budget=self.budget, skips=self.skips)
+        return Supervisor(spec, budget=self.budget, skips=self.skips, standby=self.standby)
 
     def _stream(self, start: StreamPosition) -> Producer:
         """Batches of passes over a streaming source, each worker over its shard, from

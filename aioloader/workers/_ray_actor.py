@@ -155,7 +155,7 @@ class RayWorker:
                  start: ShardPosition | None = None) -> None:
         spec = spec.for_worker(worker_id)
         if start is not None:
-            spec = spec.starting_at(start, spec.workers.num_workers)
+            spec = spec.starting_at(start)
         self.spec = spec
         self.busy = 0.0  # seconds spent answering calls (``stats().workers[k].busy``)
         self.loop = asyncio.new_event_loop()

@@ -44,9 +44,10 @@ class WorkerSpec:
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
 
-    def starting_at(self, start: ShardPosition, num_workers: int) -> WorkerSpec:
+    def starting_at(self, start: ShardPosition) -> WorkerSpec:
         """This worker's spec, its stream starting at ``start`` (a restart)."""
-        starts = list(self.starts or [ShardPosition(self.first_pass)] * num_workers)
+        starts = list(self.starts or
+                      [ShardPosition(self.first_pass)] * self.workers.num_workers)
         starts[self.worker_id] = start
         return replace(self, starts=tuple(starts))
 
