@@ -190,18 +190,6 @@ class Serving:
 
         return passes(start, batches, self.seeding.begin, self.retirement)
 
-    def making(self, built: Batch | list[Any]) -> tuple[Callable[[], Any], Any]:
-        """How a built batch becomes the value sent, and its mark (a chunk goes as it is)."""
-        if isinstance(built, Batch):
-            if built.error is not None:
-                return functools.partial(_raise, built.error), built.mark
-            return functools.partial(self.pipe.collate, built.items), built.mark
-        return lambda: built, None
-
-
-def _raise(error: Exception) -> Any:
-    raise error
-
 
 class Outlet(Protocol):
     """How a built batch leaves its worker: a process's arena slot and wire message, or a
@@ -220,13 +208,16 @@ async def build(worker: Serving, out: Outlet, event: Build[Batch | list[Any]]) -
     A batch whose making raised (the source's error, or the collate's) is that batch's
     error, and the stream goes on, as torch's does (issue 32); a chunk of instances has no
     batch to fail: it ends the worker."""
-    make, mark = worker.making(event.batch)
+    batch = event.batch
+    if not isinstance(batch, Batch):
+        return await out.emit(event.seq, lambda: batch, None)
+    if batch.error is not None:
+        return await out.failed(event.seq, batch.error, batch.mark)
     try:
-        return await out.emit(event.seq, make, mark)
-    except Exception as exc:
-        if not isinstance(event.batch, Batch):
-            raise
-        return await out.failed(event.seq, exc, mark)
+        return await out.emit(event.seq, functools.partial(worker.pipe.collate, batch.items),
+                              batch.mark)
+    except Exception as exc:  # noqa: BLE001 - that batch's error; the stream goes on
+        return await out.failed(event.seq, exc, batch.mark)
 
 
 async def answer(worker: Serving, out: Outlet, seq: int, indices: list[int],
@@ -239,10 +230,10 @@ async def answer(worker: Serving, out: Outlet, seq: int, indices: list[int],
     pipe = worker.pipe
     try:
         items = pipe.fetch(indices, touch) if loaded is None else loaded
-        # the indices name the sample a CollateKeyError is about
-        make: Callable[[], Any] = functools.partial(pipe.collate, items, indices)
-        mark = None
-        if not items and loaded is not None:
+        mark: str | None = None
+        if items or loaded is None:  # with the indices, a CollateKeyError names the sample's
+            make: Callable[[], Any] = functools.partial(pipe.collate, items, indices)
+        else:  # the stage skipped every key
             make, mark = (lambda: None), ALL_SKIPPED
         if not await out.emit(seq, make, mark):
             return False

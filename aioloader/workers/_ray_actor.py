@@ -4,9 +4,10 @@ Pulled, its numbered calls served in order (docs/architecture.md, "Ray workers")
 submitted in order to a plain actor (``max_concurrency=1``) ran out of order when they
 queued (Ray 2.60: a worker's random draws went to the wrong batches), so the actor is an
 async one whose calls wait for their turn on Ray's loop, their work in a thread of its own.
-Async parts (an async reader, a load stage) run on an event loop the actor owns in another
-thread (``run_until_complete`` on Ray's loop raised "Cannot run the event loop while another
-loop is running"), which also keeps a load stage's window going between calls. Imports no
+A batch is built as a process worker builds it (``_passes.answer`` and ``build``), on an
+event loop the actor owns in another thread, with its async parts (an async reader, a load
+stage): ``run_until_complete`` on Ray's loop raised "Cannot run the event loop while another
+loop is running"; that loop also keeps a load stage's window going between calls. Imports no
 Ray at import time.
 
 Tensors travel as raw bytes beside the pickle (:func:`tensor_out`): torch's pickling copies
