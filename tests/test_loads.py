@@ -96,6 +96,30 @@ def test_a_blocking_load_fn_runs_in_threads(num_workers: int) -> None:
     assert all(torch.equal(b["x"], torch.full((8, 3), 2.0)) for b in batches)
 
 
+def load_without_x_at_6(name: str) -> dict[str, Any]:
+    k = int(name.split("-")[1])
+    return {"x": k} if k != 6 else {"y": k}
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_collate_key_error_after_a_load_names_the_dataset_index(num_workers: int) -> None:
+    """Loaded items are collated with their batch's indices, as fetched ones are: the
+    sample loaded from index 6 (place 2 of the second batch) lacks "x", and the error says
+    so (with a load stage, no index was named before)."""
+    loader = aioloader.DataLoader(Names(12), batch_size=4, num_workers=num_workers,
+                                  load_fn=load_without_x_at_6, quiet=True)
+    with pytest.raises(KeyError) as info:
+        list(loader)
+    err = info.value
+    if num_workers:
+        assert isinstance(err, WorkerError)
+        err = err.__cause__
+    assert isinstance(err, aioloader.CollateKeyError)
+    assert (err.sample, err.position) == (6, 2)
+    assert "sample 2 of the batch (index 6) has no key 'x'" in str(err)
+
+
 @pytest.mark.deadline(120)
 def test_an_iterable_dataset_of_keys_with_a_load_fn() -> None:
     want = sorted(range(30))

@@ -92,9 +92,9 @@ def actors(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Actor]]:
 
 
 def supervisor(actors: list[Actor], plan: str, restarts: int = 0) -> RaySupervisor:
-    workers = types.SimpleNamespace(slots=2, zero_copy=True, ray_options=None)
+    workers = types.SimpleNamespace(num_workers=1, slots=2, zero_copy=True, ray_options=None)
     spec = types.SimpleNamespace(plan=plan, workers=workers)
-    sup = RaySupervisor(cast(Any, spec), 1, budget=RestartBudget(restarts))
+    sup = RaySupervisor(cast(Any, spec), budget=RestartBudget(restarts))
 
     def make(spec_ref: Any, worker_id: int, start: ShardPosition | None) -> Actor:
         actors.append(Actor(worker_id, start))

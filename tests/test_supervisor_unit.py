@@ -290,6 +290,8 @@ class FakeWorkers:
     num_workers: int = 2
     slots: int = 2
     threaded: bool = True
+    start_method: str = "fork"
+    zero_copy: bool = True
 
 
 @dataclass(frozen=True)
@@ -302,7 +304,7 @@ class FakeSpec:
     def for_worker(self, k: int) -> FakeSpec:
         return replace(self, worker_id=k)
 
-    def starting_at(self, start: Any, num_workers: int) -> FakeSpec:
+    def starting_at(self, start: Any) -> FakeSpec:
         return self
 
 
@@ -366,7 +368,7 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> list[FakeWorker]:
 
 
 def supervisor(restarts: int = 0) -> Supervisor:
-    return Supervisor(cast(Any, FakeSpec()), 2, "fork", budget=RestartBudget(restarts))
+    return Supervisor(cast(Any, FakeSpec()), budget=RestartBudget(restarts))
 
 
 def test_a_supervisor_delivers_in_order_restarts_a_death_and_recycles(

@@ -153,9 +153,10 @@ def count_batches(spec: PlanSpec, data: Sequence[Any], *, shared: bool) -> int:
     return num_batches(n, spec.batch_size, spec.drop_last)
 
 
-def worker_seed(spec: PlanSpec, epoch: int, worker: int) -> int:
-    """Worker `worker`'s seed in epoch `epoch`: `WorkerSpec.seed_for`'s formula (63 bits)."""
-    return derive_seed(spec.seed, epoch, spec.rank, worker) & ((1 << 63) - 1)
+def worker_seed(seed: int, epoch: int, rank: int, worker: int) -> int:
+    """Worker `worker`'s seed (of rank `rank`) in epoch `epoch`, 63 bits: its RNGs' and its
+    `WorkerInfo`'s, whatever runs it."""
+    return derive_seed(seed, epoch, rank, worker) & ((1 << 63) - 1)
 
 
 def _epoch_seed(spec: PlanSpec, epoch: int, policy: Sharding) -> int:

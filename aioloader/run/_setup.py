@@ -186,9 +186,9 @@ class Setup:
         per_rank, pass_no = states[0].shards or 1, states[0].pass_no
         for point in states:
             stream = point.stream or StreamPosition.begin(pass_no, per_rank)
-            spec = replace(self.plan_spec, rank=point.rank, world_size=point.world_size)
             for w, position in enumerate(stream.shards):
-                yield position, w in stream.pending, worker_seed(spec, pass_no, w)
+                yield (position, w in stream.pending,
+                       worker_seed(self.plan_spec.seed, pass_no, point.rank, w))
 
     def _restarted(self, states: list[ResumePoint], start: BlockStart,
                    frontier: Frontier | None = None) -> StreamPosition:
@@ -235,9 +235,8 @@ class Setup:
         if w.worker_type == "ray":  # actors on a Ray cluster, behind the same interface
             from ..workers._ray import RaySupervisor  # Ray is optional: imported only when used
 
-            return RaySupervisor(spec, w.num_workers, budget=self.budget, skips=self.skips)
-        return Supervisor(spec, w.num_workers, w.start_method, lease=w.zero_copy,
-                          budget=self.budget, skips=self.skips, standby=self.standby)
+            return RaySupervisor(spec, budget=self.budget, skips=self.skips)
+        return Supervisor(spec, budget=self.budget, skips=self.skips, standby=self.standby)
 
     def _stream(self, start: StreamPosition) -> Producer:
         """Batches of passes over a streaming source, each worker over its shard, from
@@ -246,7 +245,7 @@ class Setup:
         if c.workers.num_workers == 0:
             # worker 0's seeds: one shard gives the same batches in or out of a worker
             return LocalStream(c.source, c.kind, c.data_path, c.batching.options, c.collate_fn,
-                               lambda pass_no: worker_seed(spec, pass_no, 0),
+                               lambda pass_no: worker_seed(spec.seed, pass_no, spec.rank, 0),
                                start.shards[0], c.topo.rank,
                                c.topo.world_size, timed=c.workers.progress,
                                produced=start.produced, loads=c.loads, skips=self.skips)

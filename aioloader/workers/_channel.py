@@ -21,15 +21,21 @@ from ..plane._arena import ArenaMap, SlotFull, SlotWriter
 from ..plane._codec import encode, tensors_nbytes
 from ..plane._dataplane import RefPool, Shelf, SlotPool
 from ..plans._position import Mark
+from ._failures import described
 
 PROGRESS_EVERY = 0.1  # seconds of reading without a message before a Progress is sent
 _PROGRESS_FRAME = wire.encode(wire.Progress())
 
 
 class Channel:
+    """The :class:`~aioloader.workers._passes.Outlet` of a process (or thread) worker.
+    ``stream``: its batches go unasked, each failed one in a slot too (an index batch's
+    task bounds it)."""
+
     def __init__(self, slots: int, name: str, sock: socket.socket,
-                 shelf: Shelf | None) -> None:
+                 shelf: Shelf | None, *, stream: bool) -> None:
         self.slots = slots
+        self.stream = stream
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.frames = wire.FrameReader()
@@ -194,6 +200,19 @@ class Channel:
         busy = time.monotonic() - self.started - self.idle
         await self.send(wire.Batch(slot, seq, nbytes, tree, mark, busy))
         return True
+
+    async def failed(self, seq: int, exc: Exception, mark: Mark | str | None) -> bool:
+        """Say that making batch ``seq`` raised ``exc``."""
+        slot = await self.slot() if self.stream else None
+        if self.stream and slot is None:
+            return False
+        await self.send(wire.BatchFailed(seq, *described(exc, self.shelf, seq), slot, mark))
+        return True
+
+    async def retire(self) -> None:
+        """Say so: the parent gives our unanswered tasks to a successor, then closes us."""
+        await self.send(wire.Retiring(None))
+        await self.closed()
 
     def _arena(self) -> ArenaMap:
         assert self.pool.arena is not None

@@ -290,7 +290,7 @@ class LocalIndex(_InProcess):
                     stage.fetch, self.pipe.source), self._ahead)
             assert isinstance(self._work, InOrder)
             try:
-                _, group = await self._work.__anext__()
+                indices, group = await self._work.__anext__()
             except StopAsyncIteration:
                 await self.end_pass()
                 assert self._ended is not None
@@ -300,7 +300,7 @@ class LocalIndex(_InProcess):
                 self.touch()
             if not group:
                 continue  # every key of this batch was skipped (and reported)
-            batch = await self.run(self.collate, group)
+            batch = await self.run(self.collate, group, indices)
             return self.delivered(batch)
 
     async def _pass(self) -> AsyncIterator[list[int]]:

@@ -9,7 +9,7 @@ import functools
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch.utils.data import IterDataPipe
@@ -190,24 +190,61 @@ class Serving:
 
         return passes(start, batches, self.seeding.begin, self.retirement)
 
-    def making(self, built: Batch | list[Any]) -> tuple[Callable[[], Any], Any]:
-        """How a built batch becomes the value sent, and its mark (a chunk goes as it is)."""
-        if isinstance(built, Batch):
-            if built.error is not None:
-                return functools.partial(_raise, built.error), built.mark
-            return functools.partial(self.pipe.collate, built.items), built.mark
-        return lambda: built, None
 
-    def answering(self, items: list[Any],
-                  indices: list[Any] | None = None) -> tuple[Callable[[], Any], Any]:
-        """An index task's answer and mark: collated, or :data:`ALL_SKIPPED`."""
-        if items or self.stage is None:
-            return functools.partial(self.pipe.collate, items, indices), None
-        return lambda: None, ALL_SKIPPED
+class Outlet(Protocol):
+    """How a built batch leaves its worker: a process's arena slot and wire message, or a
+    Ray call's reply. ``emit`` builds the batch with ``make()`` (a process's collate
+    allocates in the slot); it and ``failed``: False once the parent went away."""
+
+    async def emit(self, seq: int, make: Callable[[], Any], mark: Any) -> bool: ...
+
+    async def failed(self, seq: int, exc: Exception, mark: Any) -> bool: ...
+
+    async def retire(self) -> None: ...
 
 
-def _raise(error: Exception) -> Any:
-    raise error
+async def build(worker: Serving, out: Outlet, event: Build[Batch | list[Any]]) -> bool:
+    """Send one batch of the stream (or chunk of instances); False once the parent is gone.
+    A batch whose making raised (the source's error, or the collate's) is that batch's
+    error, and the stream goes on, as torch's does (issue 32); a chunk of instances has no
+    batch to fail: it ends the worker."""
+    batch = event.batch
+    if not isinstance(batch, Batch):
+        return await out.emit(event.seq, lambda: batch, None)
+    if batch.error is not None:
+        return await out.failed(event.seq, batch.error, batch.mark)
+    try:
+        return await out.emit(event.seq, functools.partial(worker.pipe.collate, batch.items),
+                              batch.mark)
+    except Exception as exc:  # noqa: BLE001 - that batch's error; the stream goes on
+        return await out.failed(event.seq, exc, batch.mark)
+
+
+async def answer(worker: Serving, out: Outlet, seq: int, indices: list[int],
+                 loaded: list[Any] | None = None, touch: Touch | None = None) -> bool:
+    """Send index batch ``seq``: ``indices`` fetched (or ``loaded`` by the load stage) and
+    collated, or :data:`ALL_SKIPPED` when the stage skipped every key; False once the worker
+    stops (its parent went away, or it retired). The dataset's or the collate's error is
+    that batch's and the next task follows, as torch's; with a load stage, it ends the
+    worker. A failed batch does not count for recycling."""
+    pipe = worker.pipe
+    try:
+        items = pipe.fetch(indices, touch) if loaded is None else loaded
+        mark: str | None = None
+        if items or loaded is None:  # with the indices, a CollateKeyError names the sample's
+            make: Callable[[], Any] = functools.partial(pipe.collate, items, indices)
+        else:  # the stage skipped every key
+            make, mark = (lambda: None), ALL_SKIPPED
+        if not await out.emit(seq, make, mark):
+            return False
+    except Exception as exc:
+        if loaded is not None:
+            raise
+        return await out.failed(seq, exc, None)
+    if worker.retirement.batch_done():
+        await out.retire()
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager

@@ -79,12 +79,12 @@ _ASKED = frozenset({Phase.STARTING, Phase.RUNNING})
 
 
 class RaySupervisor(Supervising[ActorLink]):
-    """``num_workers`` Ray actors for ``spec``, on the Roster that process workers use (see
-    the module docstring)."""
+    """``spec.workers.num_workers`` Ray actors for ``spec``, on the Roster that process
+    workers use (see the module docstring)."""
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, *,
-                 budget: RestartBudget | None = None, skips: SkipLog | None = None) -> None:
-        super().__init__(spec, num_workers, budget, skips)
+    def __init__(self, spec: WorkerSpec, *, budget: RestartBudget | None = None,
+                 skips: SkipLog | None = None) -> None:
+        super().__init__(spec, budget, skips)
         self._stream = spec.plan != "index"
         self._slots = spec.workers.slots
         self._spec_ref: Any = None  # the spec, put once in the object store for every actor

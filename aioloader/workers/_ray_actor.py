@@ -4,9 +4,10 @@ Pulled, its numbered calls served in order (docs/architecture.md, "Ray workers")
 submitted in order to a plain actor (``max_concurrency=1``) ran out of order when they
 queued (Ray 2.60: a worker's random draws went to the wrong batches), so the actor is an
 async one whose calls wait for their turn on Ray's loop, their work in a thread of its own.
-Async parts (an async reader, a load stage) run on an event loop the actor owns in another
-thread (``run_until_complete`` on Ray's loop raised "Cannot run the event loop while another
-loop is running"), which also keeps a load stage's window going between calls. Imports no
+A batch is built as a process worker builds it (``_passes.answer`` and ``build``), on an
+event loop the actor owns in another thread, with its async parts (an async reader, a load
+stage): ``run_until_complete`` on Ray's loop raised "Cannot run the event loop while another
+loop is running"; that loop also keeps a load stage's window going between calls. Imports no
 Ray at import time.
 
 Tensors travel as raw bytes beside the pickle (:func:`tensor_out`): torch's pickling copies
@@ -27,19 +28,18 @@ import time
 import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
 
 from ..pipeline._loads import SkippedLoad
-from ..pipeline._pipeline import Batch
 from ..plane import _wire as wire
 from ..plane._codec import tensors_nbytes
 from ..plans._position import ShardPosition
 from ..plans._sources import aclose
 from ._failures import described
-from ._passes import Build, PassEnd, Serving, serving
+from ._passes import Build, PassEnd, Serving, answer, build, serving
 from ._spec import WorkerSpec
 
 T = TypeVar("T")
@@ -49,6 +49,9 @@ async def _next(it: AsyncIterator[T]) -> T:
     return await anext(it)
 
 
+# ``busy``: seconds the actor spent in calls so far, this one's included (telemetry);
+# ``skipped``: keys skipped on error since the last reply. Both set as a call ends.
+
 @dataclass(frozen=True, slots=True)
 class Built:
     """A batch (or a chunk of instances, or None when every key of it was skipped)."""
@@ -57,16 +60,16 @@ class Built:
     mark: Any
     value: Any
     nbytes: int
-    busy: float  # seconds the actor spent in calls so far (telemetry)
+    busy: float = 0.0
     retire: bool = False  # index batches: this worker is due for recycling after this one
-    skipped: tuple[SkippedLoad, ...] = ()  # keys skipped on error since the last reply
+    skipped: tuple[SkippedLoad, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class PassOver:
     pass_no: int
     batches: int
-    busy: float
+    busy: float = 0.0
     skipped: tuple[SkippedLoad, ...] = ()
 
 
@@ -75,6 +78,7 @@ class Retire:
     """A stream's worker is due for recycling: its successor starts at ``position``."""
 
     position: ShardPosition
+    busy: float = 0.0
     skipped: tuple[SkippedLoad, ...] = ()
 
 
@@ -124,6 +128,26 @@ def _raised(exc: BaseException) -> wire.Failed:
     return wire.Failed(*described(exc, None))
 
 
+class _Replying:
+    """The :class:`~aioloader.workers._passes.Outlet` of one call: its batch, built, is the
+    call's reply."""
+
+    reply: Built | wire.BatchFailed
+
+    async def emit(self, seq: int, make: Callable[[], Any], mark: Any) -> bool:
+        value = make()
+        self.reply = Built(seq, mark, value, tensors_nbytes(value))
+        return True
+
+    async def failed(self, seq: int, exc: Exception, mark: Any) -> bool:
+        self.reply = wire.BatchFailed(seq, *described(exc, None), None, mark)
+        return True
+
+    async def retire(self) -> None:
+        assert isinstance(self.reply, Built)
+        self.reply = replace(self.reply, retire=True)
+
+
 class RayWorker:
     """Worker ``worker_id`` of ``spec``, starting at ``start`` (a stream's position after a
     restart or a recycle; None: where the spec says)."""
@@ -132,7 +156,7 @@ class RayWorker:
                  start: ShardPosition | None = None) -> None:
         spec = spec.for_worker(worker_id)
         if start is not None:
-            spec = spec.starting_at(start, spec.workers.num_workers)
+            spec = spec.starting_at(start)
         self.spec = spec
         self.busy = 0.0  # seconds spent answering calls (``stats().workers[k].busy``)
         self.loop = asyncio.new_event_loop()
@@ -181,22 +205,22 @@ class RayWorker:
         """``work(*args)``, its time counted as busy; its exception ends the worker."""
         began = time.monotonic()
         try:
-            return work(*args)
+            reply = work(*args)
         except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
             self.failure = _raised(exc)
             return self.failure
         finally:
             self.busy += time.monotonic() - began
+        if isinstance(reply, (Built, PassOver, Retire)):
+            skipped, self.skipped = tuple(self.skipped), []
+            reply = replace(reply, busy=self.busy, skipped=skipped)
+        return reply
 
     async def hello(self) -> Hello:
         import ray
 
         return Hello(ray.get_runtime_context().get_node_id(), socket.gethostname(),
                      os.getpid())
-
-    def _taken_skips(self) -> tuple[SkippedLoad, ...]:
-        out, self.skipped = tuple(self.skipped), []
-        return out
 
     # ------------------------------------------------------------------ index batches
 
@@ -215,31 +239,17 @@ class RayWorker:
             if self.failure is None:
                 loading = asyncio.run_coroutine_threadsafe(
                     stage.fetch(self.spec.source, indices), self.loop)
-        return await self._in_turn(call, self._fetch, seq, indices, loading)
+        return await self._in_turn(call, self._timed, self._fetch, seq, indices, loading)
 
     def _fetch(self, seq: int, indices: list[int],
                loading: Future[list[Any]] | None = None) -> Reply:
-        """Batch ``seq``, built. Its dataset's or collate's error is that batch's and the
-        next call's batch follows, as a process worker's (``_worker._run_index``) and
-        torch's; with a load stage, it ends the worker, as it ends a process's."""
+        """Batch ``seq``, built (:func:`~aioloader.workers._passes.answer`), on the actor's
+        loop as a process worker builds it."""
         assert self.serving is not None
-        pipe = self.serving.pipe
-        began = time.monotonic()
-        try:
-            items = loading.result() if loading is not None else pipe.fetch(indices)
-            # the indices a CollateKeyError names, as a process's (none with a load stage)
-            make, mark = self.serving.answering(items, indices if loading is None else None)
-            value = make()
-            retire = self.serving.retirement.batch_done()
-        except Exception as exc:  # noqa: BLE001 - the parent raises it as a WorkerError
-            if loading is None:  # that batch's: not counted for recycling, as a process's
-                return wire.BatchFailed(seq, *described(exc, None))
-            self.failure = _raised(exc)
-            return self.failure
-        finally:
-            self.busy += time.monotonic() - began
-        return Built(seq, mark, value, tensors_nbytes(value), self.busy, retire,
-                     self._taken_skips())
+        out = _Replying()
+        loaded = loading.result() if loading is not None else None
+        self._run(answer(self.serving, out, seq, indices, loaded))
+        return out.reply
 
     # ------------------------------------------------------------------ streams
 
@@ -278,26 +288,10 @@ class RayWorker:
         async with contextlib.aclosing(self.serving.passes(None, start)) as events:
             async for event in events:
                 if isinstance(event, Build):
-                    yield self._built(event)
+                    out = _Replying()
+                    await build(self.serving, out, event)
+                    yield out.reply
                 elif isinstance(event, PassEnd):
-                    yield PassOver(event.pass_no, event.batches, self.busy,
-                                   self._taken_skips())
+                    yield PassOver(event.pass_no, event.batches)
                 else:
-                    yield Retire(event.position, self._taken_skips())
-
-    def _built(self, event: Build[Any]) -> Built | wire.BatchFailed:
-        """A stream's batch (or chunk of instances), built. A batch whose making raised
-        (the source's error, or the collate's) is that batch's error, and the stream goes
-        on, as a process worker's (``_worker._emit_built``) and torch's (issue 32); a chunk
-        of instances has no batch to fail: its error ends the worker."""
-        assert self.serving is not None
-        make, mark = self.serving.making(event.batch)
-        if not isinstance(event.batch, Batch):
-            return Built(event.seq, mark, make(), 0, self.busy,
-                         skipped=self._taken_skips())
-        try:
-            value = make()
-        except Exception as exc:  # noqa: BLE001 - that batch's error; the stream goes on
-            return wire.BatchFailed(event.seq, *described(exc, None), None, mark)
-        return Built(event.seq, mark, value, tensors_nbytes(value), self.busy,
-                     skipped=self._taken_skips())
+                    yield Retire(event.position)

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from .._config import Workers
 from ..pipeline._loads import LoadOptions
 from ..pipeline._pipeline import BatchOptions, Pipeline
+from ..plans._planning import worker_seed
 from ..plans._position import ShardPosition
-from ..plans._samplers import derive_seed
 from ..plans._sources import Kind
 
 Plan = Literal["stream", "instances", "index"]
@@ -44,9 +44,10 @@ class WorkerSpec:
     def for_worker(self, worker_id: int) -> WorkerSpec:
         return replace(self, worker_id=worker_id)
 
-    def starting_at(self, start: ShardPosition, num_workers: int) -> WorkerSpec:
+    def starting_at(self, start: ShardPosition) -> WorkerSpec:
         """This worker's spec, its stream starting at ``start`` (a restart)."""
-        starts = list(self.starts or [ShardPosition(self.first_pass)] * num_workers)
+        starts = list(self.starts or
+                      [ShardPosition(self.first_pass)] * self.workers.num_workers)
         starts[self.worker_id] = start
         return replace(self, starts=tuple(starts))
 
@@ -57,7 +58,7 @@ class WorkerSpec:
         return self.starts[self.worker_id]
 
     def seed_for(self, pass_no: int) -> int:
-        return derive_seed(self.seed, pass_no, self.rank, self.worker_id) & ((1 << 63) - 1)
+        return worker_seed(self.seed, pass_no, self.rank, self.worker_id)
 
     def pipeline(self) -> Pipeline:
         return Pipeline(self.source, self.kind, self.data_path, self.options, self.collate_fn,

@@ -55,10 +55,10 @@ Arrival = Delivered | Ended | Rewound
 class Supervising(Generic[L]):
     """A session's workers on one Roster; ``L``: what links the parent to one worker."""
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, budget: RestartBudget | None,
+    def __init__(self, spec: WorkerSpec, budget: RestartBudget | None,
                  skips: SkipLog | None) -> None:
         self.spec = spec
-        self.num_workers = num_workers
+        self.num_workers = spec.workers.num_workers
         self.budget = budget if budget is not None else RestartBudget()
         self.roster: Roster[L] = Roster(self.budget)
         self.skips = skips if skips is not None else SkipLog()  # on_error="skip"

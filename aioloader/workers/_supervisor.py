@@ -64,14 +64,12 @@ _REAPS: set[asyncio.Task[None]] = set()  # reaping recycled workers, until done
 
 
 class Supervisor(Supervising[Link]):
-    """Starts ``num_workers`` processes for ``spec``, moves messages to and from them."""
+    """Starts ``spec.workers.num_workers`` processes (or threads) for ``spec``, moves
+    messages to and from them."""
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, start_method: str, *,
-                 lease: bool = True, budget: RestartBudget | None = None,
+    def __init__(self, spec: WorkerSpec, *, budget: RestartBudget | None = None,
                  skips: SkipLog | None = None, standby: StandbyPool | None = None) -> None:
-        super().__init__(spec, num_workers, budget, skips)
-        self.start_method = start_method
-        self.lease = lease
+        super().__init__(spec, budget, skips)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._reaping = threading.Lock()
@@ -91,15 +89,16 @@ class Supervisor(Supervising[Link]):
         spec travels pickled: it fails here, before anything starts, if it cannot."""
         if self.standby is not None:
             self._standbys = self.standby.take_all()
-        if self.start_method != "fork" and not self.spec.workers.threaded:
-            check_picklable(self.spec.parts(), self.start_method)
+        method = self.spec.workers.start_method
+        if method != "fork" and not self.spec.workers.threaded:
+            check_picklable(self.spec.parts(), method)
 
     def _new(self, worker_id: int, start: ShardPosition | None, *,
              ahead: bool = True) -> Worker:  # (it streams unasked; a Rewind is read first)
         """A worker submitted for starting, from a standby in the first start (if not gone)."""
         spec = self.spec.for_worker(worker_id)
         if start is not None:
-            spec = spec.starting_at(start, self.num_workers)
+            spec = spec.starting_at(start)
         parent, child = socket_pair()
         parent.setblocking(False)
         holder: list[Worker] = []  # a slot goes back to the process it belongs to
@@ -114,8 +113,8 @@ class Supervisor(Supervising[Link]):
             thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{worker_id}")
             launch = start_worker(thread, parent, child)
         else:
-            ledger = SlotLedger(self.spec.workers.slots, release, lease=self.lease)
-            fresh = new_process(spec, child, self.start_method)
+            ledger = SlotLedger(self.spec.workers.slots, release, lease=self.spec.workers.zero_copy)
+            fresh = new_process(spec, child, spec.workers.start_method)
             standby = self._standbys[0] if self._standbys else None
             launch = (start_worker(fresh, parent, child) if standby is None
                       else hand_off_worker(standby, spec, fresh, parent, child))

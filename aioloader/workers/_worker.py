@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from ..pipeline._loads import SKIP_REPORT, LoadStage, SkippedLoad
-from ..pipeline._pipeline import Batch, InOrder
+from ..pipeline._loads import SKIP_REPORT, SkippedLoad
+from ..pipeline._pipeline import InOrder
 from ..pipeline._stacking import route_torch_collate_into_arena
 from ..plane import _wire as wire
 from ..plane._dataplane import Shelf
 from ..plans._position import ShardPosition
 from ._channel import Channel
 from ._failures import described
-from ._passes import Build, Event, PassEnd, Serving, serving
+from ._passes import Build, Event, PassEnd, Serving, answer, build, serving
 from ._spec import WorkerSpec
 
 
@@ -145,7 +145,8 @@ def _leave_when_parent_hangs_up(sock: socket.socket) -> None:
 
 async def serve(spec: WorkerSpec, sock: socket.socket, shelf: Shelf | None = None) -> int:
     """Serve the parent on ``sock`` until EOF; the exit code (``shelf``: a thread's)."""
-    chan = Channel(spec.workers.slots, f"aioloader-w{spec.worker_id}", sock, shelf)
+    chan = Channel(spec.workers.slots, f"aioloader-w{spec.worker_id}", sock, shelf,
+                   stream=spec.plan != "index")
     if spec.loads is not None or spec.workers.threaded:
         # Loads in flight (or a thread's async reader) wait on the network, not on us: EOF
         # cancels them at once, rather than after the parent's grace period.
@@ -212,7 +213,7 @@ async def _send_passes(worker: Serving, chan: Channel,
         if chan.rewind is not None:
             return False
         if isinstance(event, Build):
-            if not await _emit_built(worker, chan, event):
+            if not await build(worker, chan, event):
                 return False
         elif isinstance(event, PassEnd):
             slot = await chan.slot()
@@ -224,69 +225,26 @@ async def _send_passes(worker: Serving, chan: Channel,
     return True
 
 
-async def _emit_built(worker: Serving, chan: Channel, event: Build[Any]) -> bool:
-    """Send one batch of the stream (or chunk of instances); False once the parent is gone.
-    A batch whose making raised is that batch's error, in its slot, and the stream goes on,
-    as torch's does (issue 32); a chunk of instances has no batch to fail: it ends the worker.
-    """
-    make, mark = worker.making(event.batch)
-    if not isinstance(event.batch, Batch):
-        return await chan.emit(event.seq, make, mark)
-    try:
-        return await chan.emit(event.seq, make, mark)
-    except Exception as exc:  # noqa: BLE001 - that batch's error; the stream goes on
-        slot = await chan.slot()
-        if slot is None:
-            return False
-        await chan.send(wire.BatchFailed(event.seq, *described(exc, chan.shelf, event.seq),
-                                         slot, mark))
-        return True
-
-
 async def _run_index(worker: Serving, chan: Channel) -> None:
-    """Fetch and collate the parent's index batches, in order, until it goes or we retire."""
-    if worker.stage is not None:
-        await _run_index_loaded(worker, chan, worker.stage)
+    """Answer the parent's index batches, in order, until it goes or we retire. With a load
+    stage, each task's loads start as it arrives: loads overlap, batches go out in order."""
+    stage = worker.stage
+    if stage is None:
+        touch = chan.progress if worker.spec.workers.progress else None
+        async for task in _tasks(chan):
+            if not await answer(worker, chan, task.seq, task.indices, touch=touch):
+                return
         return
-    pipe = worker.pipe
-    retire = worker.retirement
-    touch = chan.progress if worker.spec.workers.progress else None
-    while (task := await chan.task()) is not None:
-        try:
-            items = pipe.fetch(task.indices, touch)
-            sent = await chan.emit(task.seq, *worker.answering(items, task.indices))
-        except Exception as exc:  # noqa: BLE001 - that batch's error; the next task follows
-            await chan.send(wire.BatchFailed(task.seq, *described(exc, chan.shelf, task.seq)))
-            continue
-        if not sent:
-            return
-        if retire.batch_done():
-            await _retire(chan)
-            return
-
-
-async def _retire(chan: Channel) -> None:
-    """Say so: the parent gives our unanswered tasks to a successor, then closes us."""
-    await chan.send(wire.Retiring(None))
-    await chan.closed()
+    source = worker.spec.source
+    fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
+    try:
+        async for task, group in fetches:
+            if not await answer(worker, chan, task.seq, task.indices, group):
+                return
+    finally:
+        await fetches.aclose()
 
 
 async def _tasks(chan: Channel) -> AsyncIterator[wire.Task]:
     while (task := await chan.task()) is not None:
         yield task
-
-
-async def _run_index_loaded(worker: Serving, chan: Channel, stage: LoadStage) -> None:
-    """:func:`_run_index` with a load stage: loads overlap, batches go out in order."""
-    source = worker.spec.source
-    retire = worker.retirement
-    fetches = InOrder(_tasks(chan), lambda task: stage.fetch(source, task.indices))
-    try:
-        async for task, group in fetches:
-            if not await chan.emit(task.seq, *worker.answering(group)):
-                return
-            if retire.batch_done():
-                await _retire(chan)
-                return
-    finally:
-        await fetches.aclose()
