@@ -62,8 +62,10 @@ class DataLoader(Generic[T_co]):
     ``worker_type="thread"`` runs the workers as threads of this process: batches by
     reference (no shared memory, no copy), no ``start_method``, the process's RNGs shared
     (``get_worker_info().seed`` is still per worker), and no restarts or recycling (threads
-    cannot be killed). With the GIL, processes won or tied on throughput in every workload
-    measured (docs/performance.md).
+    cannot be killed). Several thread workers share the source, but for a streamed one that
+    keeps its own position (``state_dict``): each reads its own ``copy.deepcopy``, as a
+    worker process reads its pickled or forked copy. With the GIL, processes won or tied on
+    throughput in every workload measured (docs/performance.md).
 
     ``worker_type="ray"`` runs each worker as a Ray actor, placed by Ray's scheduler in the
     caller's Ray context (``ray.init(address=...)``; without one, a local Ray starts):

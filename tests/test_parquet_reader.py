@@ -264,16 +264,19 @@ def test_a_damaged_row_group_is_named_or_skipped(tmp_path: Path) -> None:
         rows = read_all(skipping)
     assert [r["i"] for r in rows] == [i for i in range(N) if not 24 <= i < 32]
     assert skipping.num_skipped == 1
-    for workers in (0, 2):
+    for workers, worker_type in ((0, "process"), (2, "process"), (2, "thread")):
         reader = ParquetReader(str(tmp_path / "*.parquet"), columns=["i", "text"],
                                on_error="skip")
         with aioloader.DataLoader(reader, batch_size=4, num_workers=workers, timeout=30,
-                                  quiet=True) as loader, warnings.catch_warnings():
+                                  worker_type=worker_type, quiet=True
+                                  ) as loader, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the reader's (in the main process)
             seen = sorted(i for b in loader for i in b["i"].tolist())
             assert seen == [i for i in range(N) if not 24 <= i < 32]
             assert loader.stats().skipped == 1, "the row group skipped counts in stats()"
             assert [s.key for s in loader.skipped] == [f"{path}: row group 3"]
+        # counted by the reader that read it: a worker's own copy (threads' too), not ours
+        assert reader.num_skipped == (1 if workers == 0 else 0)
 
 
 def test_a_truncated_file_is_named(tmp_path: Path) -> None:

@@ -383,3 +383,60 @@ def test_start_method_does_not_apply_to_threads() -> None:
               start_method="spawn", collate_fn=lambda s: [x["index"] for x in s]) as loader:
         assert list(loader) == [[0, 1, 2], [3, 4, 5]]  # a lambda: nothing was pickled
     assert_threads_end()
+
+
+class Positioned(aioloader.Reader):
+    """A stateful reader; ``lock`` (a threading.Lock: no copy) makes it uncopyable."""
+
+    def __init__(self, n: int, lock: Any = None) -> None:
+        self.n = n
+        self.lock = lock
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def read(self, data_path: Any) -> Iterator[dict[str, Any]]:
+        info = tud.get_worker_info()  # torch's: dataset too
+        assert info is not None and info.dataset is self  # the worker's own copy
+        yield from ({"index": i} for i in range(self.n))
+
+
+def test_several_thread_workers_read_their_own_copy_of_a_stateful_reader() -> None:
+    reader = Positioned(8)
+    copies: dict[int, Any] = {}
+
+    def init(worker_id: int) -> None:
+        info = tud.get_worker_info()  # torch's: dataset too
+        assert info is not None
+        copies[worker_id] = info.dataset
+
+    loader = ours(reader, batch_size=2, num_workers=2, worker_type="thread", worker_init_fn=init,
+                  max_instances_in_memory=2)  # streamed (not read into memory first)
+    try:
+        assert sorted(i for b in indices(loader) for i in b) == list(range(8))
+    finally:
+        loader.close()
+    assert copies[0] is not copies[1] and reader not in copies.values()
+    assert_threads_end()
+
+
+def test_a_stateful_reader_that_cannot_be_copied_is_refused_with_what_to_do() -> None:
+    loader = ours(Positioned(4, threading.Lock()), num_workers=2, worker_type="thread",
+                  max_instances_in_memory=1)
+    try:
+        with pytest.raises(aioloader.SourcePicklingError,
+                           match=r"Positioned\).*cannot be copied.*worker_type='process'") as got:
+            next(iter(loader))
+        assert isinstance(got.value.__cause__, TypeError)
+    finally:
+        loader.close()
+    assert_threads_end()
+    lone = ours(Positioned(4, threading.Lock()), num_workers=1, worker_type="thread",
+                max_instances_in_memory=1)
+    try:  # one worker shares it: nothing to race on
+        assert indices(lone) == [[0], [1], [2], [3]]
+    finally:
+        lone.close()

@@ -128,7 +128,7 @@ class ParquetReader(PieceReader):
         on_error: "raise" (a :class:`ParquetError` naming the file and row group) or
             "skip": a row group that does not read is left out, warned about once,
             counted in the loader's ``stats().skipped`` and ``skipped``, and in
-            ``num_skipped`` (in the process that read it).
+            ``num_skipped`` (of the reader that read it: in a worker, its copy).
         ahead: row groups read ahead per worker, in threads.
 
     Examples:

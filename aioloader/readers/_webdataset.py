@@ -155,7 +155,8 @@ class WebDatasetReader(PieceReader):
         on_error: "raise" (a :class:`WebDatasetError` naming the shard and member) or
             "skip": a corrupt or truncated shard's rest, or a sample that does not decode,
             is left out, warned about once, counted in the loader's ``stats().skipped``
-            and ``skipped``, and in ``num_skipped`` (in the process that read it).
+            and ``skipped``, and in ``num_skipped`` (of the reader that read it: in a
+            worker, its copy).
         chunk_size: bytes per ranged read of a shard.
         ahead: ranged reads in flight for the shard being read, and shards opened ahead of
             it, one chunk each (memory: ``2 x ahead x chunk_size`` per reader).

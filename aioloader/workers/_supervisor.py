@@ -42,7 +42,7 @@ from ._starting import (
     stop_processes,
 )
 from ._supervising import Supervising, told_error, worker_stats
-from ._threads import ThreadWorker
+from ._threads import ThreadWorker, own_source
 
 log = logging.getLogger("aioloader")
 
@@ -110,7 +110,7 @@ class Supervisor(Supervising[Link]):
         if spec.workers.threaded:
             shelf = Shelf()
             ledger = RefLedger(self.spec.workers.slots, release, shelf)
-            thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{worker_id}")
+            thread = ThreadWorker(own_source(spec), child, shelf, f"aioloader-worker-{worker_id}")
             launch = start_worker(thread, parent, child)
         else:
             ledger = SlotLedger(self.spec.workers.slots, release, lease=self.spec.workers.zero_copy)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
 import logging
 import os
 import socket
@@ -13,9 +15,11 @@ import threading
 import weakref
 
 from .. import _loops
+from .._errors import SourcePicklingError
 from .._info import TORCH_INFO_PER_THREAD
 from ..pipeline._stacking import TORCH_COLLATE_IN_THREADS
 from ..plane._dataplane import Shelf
+from ..plans._sources import Kind, is_stateful
 from ._spec import WorkerSpec
 from ._worker import serve
 
@@ -33,6 +37,27 @@ def _drop_thread_fds_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_thread_fds_in_child)
+
+
+def own_source(spec: WorkerSpec) -> WorkerSpec:
+    """``spec`` for one of several thread workers: a stream source that keeps its own
+    position (``state_dict``) copied as a worker process gets it (pickle's semantics:
+    ``deepcopy`` honours ``__getstate__``), so that one thread's ``load_state_dict`` and
+    block marks do not overwrite another's and a resume loses nothing. Any other source
+    (and a lone worker's) stays shared: nothing of its own to race on, no copy to pay for."""
+    if (spec.workers.num_workers < 2 or spec.kind is Kind.MAP  # (asked no state)
+            or not is_stateful(spec.source)):
+        return spec
+    try:
+        source = copy.deepcopy(spec.source)
+    except Exception as exc:
+        raise SourcePicklingError(
+            f"the source ({type(spec.source).__name__}) cannot be copied ({exc!r}), which "
+            "worker_type='thread' needs: it keeps its own position (state_dict), so each "
+            "of several thread workers reads its own copy, as a worker process does. Make "
+            "it copyable (copy.deepcopy: a __getstate__ leaving out locks and open files), "
+            "or use worker_type='process' or num_workers=1") from exc
+    return dataclasses.replace(spec, source=source)
 
 
 class ThreadWorker:
