@@ -149,7 +149,7 @@ class Supervisor(Supervising[Link]):
         self._watch_new(new)
         # Off the loop, so that retired processes do not linger as zombies.
         task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._reap, EXIT_GRACE, True))
+            asyncio.to_thread(self._reap, EXIT_GRACE, retired_only=True))
         _REAPS.add(task)
         task.add_done_callback(_REAPS.discard)
 
