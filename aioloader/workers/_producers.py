@@ -126,6 +126,7 @@ class _OnWorkers:
     """A producer whose work happens in a supervisor's workers."""
 
     sup: Pool
+    _waiting: int | None = None  # the worker whose batch the consumer awaits
 
     async def start(self) -> None:
         await self.sup.start()
@@ -145,6 +146,14 @@ class _OnWorkers:
     def heal(self, silence: float) -> bool:
         return self.sup.heal(silence)
 
+    def _owing(self) -> list[int]:
+        """The workers the next batch may come from."""
+        return list(range(self.sup.num_workers))
+
+    def behind(self) -> str:
+        """For a timeout's message: the worker awaited, else those the batch may come from."""
+        return self.sup.describe([self._waiting] if self._waiting is not None else self._owing())
+
     async def aclose(self, grace: float) -> None:
         await self.sup.aclose(grace)
 
@@ -162,7 +171,6 @@ class WorkerStream(_OnWorkers):
         self._rr = start.next_shard
         self._pending = set(start.pending)
         self._produced = start.produced
-        self._waiting: int | None = None
 
     def position(self) -> StreamPosition:
         return StreamPosition(tuple(t.position for t in self._shards), self._rr,
@@ -231,9 +239,8 @@ class WorkerStream(_OnWorkers):
         self._shards = [ShardTracker(start) for _ in range(self.n)]
         self._rr, self._pending, self._produced = 0, set(range(self.n)), 0
 
-    def behind(self) -> str:
-        ids = [self._waiting] if self._waiting is not None else sorted(self._pending)
-        return self.sup.describe(ids)
+    def _owing(self) -> list[int]:
+        return sorted(self._pending)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,10 +319,9 @@ class WorkerIndex(_OnWorkers):
                 await self._take(head)
         self._plans.restart(pass_no)
 
-    def behind(self) -> str:
+    def _owing(self) -> list[int]:
         head = self._queue[0] if self._queue else None
-        ids = [head.worker] if isinstance(head, _InFlight) else list(range(self.n))
-        return self.sup.describe(ids)
+        return [head.worker] if isinstance(head, _InFlight) else super()._owing()
 
     async def aclose(self, grace: float) -> None:
         self._plans.close()
@@ -337,7 +343,6 @@ class WorkerInstances(_OnWorkers):
         self._live = list(range(sup.num_workers))
         self._taken = [0] * sup.num_workers  # instances received from each worker
         self._k = 0
-        self._waiting: int | None = None
 
     def _position(self, w: int) -> ShardPosition:
         """Where worker ``w``'s shard stands after the instances taken from it."""
@@ -375,5 +380,5 @@ class WorkerInstances(_OnWorkers):
             return Delivered(out)
         return PassDone(False)
 
-    def behind(self) -> str:
-        return self.sup.describe([self._waiting] if self._waiting is not None else self._live)
+    def _owing(self) -> list[int]:
+        return self._live

@@ -277,11 +277,11 @@ class RaySupervisor(Supervising[ActorLink]):
             return
         await self._awaiting(worker_id, self._read(old))
 
+    def _askable(self, w: Actor) -> bool:
+        return w.phase in _ASKED
+
     def _took_over(self, new: Actor) -> None:
-        if new.phase in _ASKED:
-            for seq, indices in new.sent.items():
-                self._ask(new, seq, indices)
-            self._top_up(new)
+        self._top_up(new)
 
     # ------------------------------------------------------------------ faults
 

@@ -95,7 +95,7 @@ class Supervising(Generic[L]):
     _let_go: Callable[[list[WorkerState[L]]], None]  # workers the Roster retired
     _ask: Callable[[WorkerState[L], int, list[int]], None]  # batch seq's indices
     _rewind: Callable[[WorkerState[L], int], None]  # a stream's pass from its start
-    _took_over: Callable[[WorkerState[L]], None]  # it gets the tasks not answered
+    _took_over: Callable[[WorkerState[L]], None]  # a successor is in its place, and asked
     _take: Callable[[WorkerState[L], wire.Batch, bool], Awaitable[Any]]  # a batch's value
     _wait: Callable[[int], Awaitable[None]]  # the next event of worker k, or the session's
     _kill: Callable[[WorkerState[L], float], bool]  # a hung one; False: it cannot be
@@ -115,6 +115,11 @@ class Supervising(Generic[L]):
         return 0.0
 
     def _can_kill(self) -> bool:
+        return True
+
+    def _askable(self, w: WorkerState[L]) -> bool:
+        """Whether ``w``, in its predecessor's place, is asked for the tasks that one did
+        not answer (a Ray actor only while it starts or runs)."""
         return True
 
     def attach(self) -> None:
@@ -181,6 +186,9 @@ class Supervising(Generic[L]):
         if self.closed:
             return  # closing covered both (the successor was still the old one's)
         self._let_go([old])
+        if self._askable(new):
+            for seq, indices in new.sent.items():  # what the retiring one did not answer
+                self._ask(new, seq, indices)
         self._took_over(new)
         if then is not None:  # the next hand-over that waited for this one
             self._start_successor(then)

@@ -146,12 +146,10 @@ class Supervisor(Supervising[Link]):
         return f"worker {w.id} (pid {w.link.pid})"
 
     def _took_over(self, new: Worker) -> None:
-        for seq, indices in new.sent.items():  # what the retiring one did not answer
-            self._ask(new, seq, indices)
         self._watch_new(new)
         # Off the loop, so that retired processes do not linger as zombies.
         task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._reap, EXIT_GRACE, True))
+            asyncio.to_thread(self._reap, EXIT_GRACE, retired_only=True))
         _REAPS.add(task)
         task.add_done_callback(_REAPS.discard)
 
