@@ -203,15 +203,6 @@ def _copy_thread() -> None:
                                   os.sched_param(0))
 
 
-def _made_or_failed(make: Callable[[], T], mark: Any = None) -> T | BatchFailure:
-    """``make()``, a batch, or its error as that batch's failure: the epoch goes on
-    (issue 32)."""
-    try:
-        return make()
-    except Exception as exc:  # noqa: BLE001 - that batch's error: the epoch goes on
-        return BatchFailure(-1, exc, mark)
-
-
 def _close_sync(it: Iterator[Any] | None) -> None:
     close = getattr(it, "close", None)
     if close is not None:
@@ -240,11 +231,10 @@ class LocalIndex(_InProcess):
             collections.deque())
 
     def _fetch(self, indices: list[int]) -> Any:
-        batch = _made_or_failed(
-            lambda: self.collate(self.pipe.fetch(indices, self.touch), indices))
-        if isinstance(batch, BatchFailure):
-            raise batch from None
-        return batch
+        try:
+            return self.collate(self.pipe.fetch(indices, self.touch), indices)
+        except Exception as exc:  # noqa: BLE001 - that batch's error: the epoch goes on
+            raise BatchFailure(-1, exc) from None
 
     async def _next(self) -> Delivered | PassDone:
         if self.pipe.loads is not None:
@@ -380,7 +370,10 @@ class LocalStream(_InProcess):
         """``batch`` collated, with its mark, or its failure: the pass goes on (issue 32)."""
         if batch.error is not None:
             return BatchFailure(-1, batch.error, batch.mark)
-        return _made_or_failed(lambda: (self.collate(batch.items), batch.mark), batch.mark)
+        try:
+            return self.collate(batch.items), batch.mark
+        except Exception as exc:  # noqa: BLE001 - that batch's error: the pass goes on
+            return BatchFailure(-1, exc, batch.mark)
 
     async def aclose(self, grace: float) -> None:
         await aclose(self._passes)
