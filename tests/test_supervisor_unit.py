@@ -14,6 +14,7 @@ import pytest
 from aioloader._errors import LoaderClosedError, WorkerDied, WorkerError
 from aioloader.plane import _wire as wire
 from aioloader.plane._dataplane import Shelf
+from aioloader.plans._sources import Kind
 from aioloader.workers import _supervisor
 from aioloader.workers._phases import (
     Phase,
@@ -300,6 +301,7 @@ class FakeSpec:
 
     worker_id: int = 0
     workers: FakeWorkers = FakeWorkers()
+    kind: Kind = Kind.MAP  # own_source shares a map-style source
 
     def for_worker(self, k: int) -> FakeSpec:
         return replace(self, worker_id=k)

@@ -99,6 +99,8 @@ class Supervisor(Supervising[Link]):
         spec = self.spec.for_worker(worker_id)
         if start is not None:
             spec = spec.starting_at(start)
+        if spec.workers.threaded:
+            spec = own_source(spec)  # may refuse: before the sockets, so none leak
         parent, child = socket_pair()
         parent.setblocking(False)
         holder: list[Worker] = []  # a slot goes back to the process it belongs to
@@ -110,7 +112,7 @@ class Supervisor(Supervising[Link]):
         if spec.workers.threaded:
             shelf = Shelf()
             ledger = RefLedger(self.spec.workers.slots, release, shelf)
-            thread = ThreadWorker(own_source(spec), child, shelf, f"aioloader-worker-{worker_id}")
+            thread = ThreadWorker(spec, child, shelf, f"aioloader-worker-{worker_id}")
             launch = start_worker(thread, parent, child)
         else:
             ledger = SlotLedger(self.spec.workers.slots, release, lease=self.spec.workers.zero_copy)
