@@ -75,6 +75,11 @@ class Reading:
     def known_length(self) -> int | None:
         """The epoch's length where it is known without reading anything."""
         c = self._config
+        if c.kind is Kind.MAP and c.batching.batch_sampler is not None:
+            try:  # a user's sampler without len(): torch iterates it all the same
+                return self.length()
+            except TypeError:
+                return None
         if (c.batching.batches_per_epoch is not None or c.kind is Kind.MAP
                 or self.cache is not None):
             return self.length()

@@ -12,6 +12,7 @@ from typing import Any
 from .._config import LoaderConfig
 from .._errors import ResumeError
 from ..pipeline._loads import LoadOptions, SkipLog
+from ..plans import _planning
 from ..plans._distributed import maxima
 from ..plans._planning import PlanSpec, Sharding, count_batches, plan_epoch, sharding, worker_seed
 from ..plans._position import (
@@ -205,6 +206,8 @@ class Setup:
         spec, topo = self.plan_spec, self.config.topo
         shared = data is self.config.source
         if shared or not (topo.distributed and self.config.batching.even_batches):
+            if sharding(spec, shared=shared) is Sharding.AS_IS:
+                return lambda pass_no: _planning.Drawn(spec.sampler)  # drawn as due
             return lambda pass_no: plan_epoch(spec, data, pass_no, shared=shared)
 
         target: list[int] = []  # agreed once per cache, by the first plan of the session

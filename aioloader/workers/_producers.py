@@ -17,13 +17,15 @@ from .._errors import BatchFailure, ResumeError
 from .._stats import ArenaStats, WorkerStats
 from ..pipeline._loads import ALL_SKIPPED, SkippedLoad
 from ..pipeline._pipeline import INSTANCE_CHUNK
+from ..plans._planning import Drawn
 from ..plans._position import BlockStart, ShardPosition, ShardTracker, StreamPosition
 from ..plans._sources import shard_spec
 from ._phases import WorkerLost
 from ._steps import Delivered, PassDone, Step
 from ._supervising import Ended, Rewound, Supervising
 
-Plan = Callable[[int], Sequence[list[int]]]  # pass number -> index batches (blocking)
+# pass number -> index batches (blocking), or a user's batch sampler's, drawn as they are due
+Plan = Callable[[int], Sequence[list[int]] | Drawn]
 Pool = Supervising[Any]  # process or thread workers, or Ray actors
 
 
@@ -62,28 +64,44 @@ class Plans:
         self.ahead = ahead
         self._plan = plan
         self._pass = first_pass
-        self._batches: Sequence[list[int]] | None = None  # lazy: a batch is made when due
+        self._batches: Sequence[list[int]] | Drawn | None = None  # lazy: made when due
         self._produced = 0
         self._skip = skip
-        self._early: asyncio.Future[Sequence[list[int]]] | None = None
+        self._early: asyncio.Future[Sequence[list[int]] | Drawn] | None = None
 
     async def next(self) -> list[int] | PassDone:
         if self._batches is None:
             self._batches = await self._planned()
             self._produced, self._skip = self._skip, 0
-            if self._produced > len(self._batches):
+            if isinstance(self._batches, Drawn):
+                await self._skip_drawn(self._batches)
+            elif self._produced > len(self._batches):
                 raise ResumeError(
                     f"the state says {self._produced} batches of epoch {self._pass} were "
                     f"delivered, but this epoch has {len(self._batches)}: the data or the "
                     "sampler changed since the state was taken")
             self._plan_early()
-        if self._produced < len(self._batches):
+        if isinstance(self._batches, Drawn):
+            if await _drawn(self._batches):
+                self._produced += 1
+                return self._batches.ready.popleft()
+        elif self._produced < len(self._batches):
             self._produced += 1
             return self._batches[self._produced - 1]
         done = PassDone(self._produced == 0)
         self._batches = None
         self._pass += 1
         return done
+
+    async def _skip_drawn(self, drawn: Drawn) -> None:
+        """Draw (and drop) the batches delivered before a resume."""
+        for k in range(self._produced):
+            if not await _drawn(drawn):
+                raise ResumeError(
+                    f"the state says {self._produced} batches of epoch {self._pass} were "
+                    f"delivered, but this epoch has {k}: the data or the sampler changed "
+                    "since the state was taken")
+            drawn.ready.popleft()
 
     def _plan_early(self) -> None:
         """The next pass, planned in the thread while this one is consumed (docs/performance.md:
@@ -94,7 +112,7 @@ class Plans:
             early.add_done_callback(_retrieved)  # a loader dropped before it is awaited
             self._early = early
 
-    async def _planned(self) -> Sequence[list[int]]:
+    async def _planned(self) -> Sequence[list[int]] | Drawn:
         early, self._early = self._early, None
         if early is not None and early.get_loop() is not asyncio.get_running_loop():
             early.cancel()  # made on another loop (the other face; another asyncio.run)
@@ -113,6 +131,11 @@ class Plans:
         early, self._early = self._early, None
         if early is not None:
             early.cancel()
+
+
+async def _drawn(drawn: Drawn) -> bool:
+    """Whether ``drawn`` has a batch ready, drawing the next chunk in a thread if need be."""
+    return bool(drawn.ready) or await asyncio.to_thread(drawn.fill)
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:

@@ -1,0 +1,115 @@
+"""Samplers, ranks and scale as torch's DataLoader has them, on the same Dataset and seeds.
+
+Each test compares with ``torch.utils.data.DataLoader`` where torch's answer is the measure.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, RandomSampler, Sampler
+
+import aioloader
+
+WORKERS = [(0, "process"), (2, "process"), (2, "thread")]
+
+
+class Numbers(Dataset[int]):
+    """range(n) as a torch Dataset."""
+
+    def __init__(self, n: int) -> None:
+        self.numbers = range(n)
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def __getitem__(self, i: int) -> int:
+        return self.numbers[i]
+
+
+class Endless(Sampler[int]):
+    """detectron2's TrainingSampler pattern: an infinite generator of indices. It counts what
+    it yielded, and refuses to go past `limit` (a loader that drew the whole epoch first
+    would otherwise never give a batch)."""
+
+    def __init__(self, n: int, limit: int) -> None:
+        self.n, self.limit, self.drawn = n, limit, 0
+
+    def __iter__(self) -> Iterator[int]:
+        for i in itertools.count():
+            if i >= self.limit:
+                raise AssertionError(f"the loader drew {i} indices before the first batches")
+            self.drawn = i + 1
+            yield i % self.n
+
+
+def _loader(*args: Any, workers: tuple[int, str], **kwargs: Any) -> aioloader.DataLoader:
+    num_workers, worker_type = workers
+    return aioloader.DataLoader(*args, num_workers=num_workers, worker_type=worker_type,
+                                quiet=True, **kwargs)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_an_endless_sampler_gives_batches_as_torch_does(workers: tuple[int, str]) -> None:
+    sampler = Endless(10, limit=100_000)
+    with _loader(Numbers(10), batch_size=4, sampler=sampler, workers=workers) as loader:
+        got = [b.tolist() for b in itertools.islice(loader, 5)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1], [2, 3, 4, 5], [6, 7, 8, 9]]
+    # Drawn as the batches are due (with some ahead), not the epoch first.
+    assert sampler.drawn < 10_000
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_batch_sampler_of_millions_is_drawn_as_batches_are_due(
+        workers: tuple[int, str]) -> None:
+    sampler = Endless(3_000_000, limit=3_000_000)  # one finite epoch of 3 million
+    batches = torch.utils.data.BatchSampler(sampler, 64, drop_last=False)
+    with _loader(Numbers(3_000_000), batch_sampler=batches, workers=workers) as loader:
+        first = next(iter(loader))
+        assert sampler.drawn < 100_000
+    assert first.tolist() == list(range(64))
+
+
+def test_resume_skips_a_user_sampler_to_the_rest_of_its_epoch() -> None:
+    def make() -> aioloader.DataLoader:
+        gen = torch.Generator().manual_seed(3)
+        return aioloader.DataLoader(Numbers(50), batch_size=4, num_workers=2, quiet=True,
+                                    sampler=RandomSampler(Numbers(50), generator=gen))
+
+    with make() as loader:
+        whole = [b.tolist() for b in loader]
+    with make() as loader:
+        it = iter(loader)
+        head = [next(it).tolist() for _ in range(5)]
+        state = loader.state_dict()
+    with make() as loader:
+        loader.load_state_dict(state)
+        rest = [b.tolist() for b in loader]
+    assert head + rest == whole
+
+
+class NoLength(Sampler[int]):
+    """A sampler without __len__: torch iterates it; only len(loader) is a TypeError."""
+
+    def __iter__(self) -> Iterator[int]:
+        yield from [3, 1, 4, 1, 5, 9, 2, 6, 5]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_a_sampler_without_len_iterates_as_in_torch(workers: tuple[int, str],
+                                                    batch_size: int | None) -> None:
+    torch_loader = torch.utils.data.DataLoader(Numbers(10), batch_size=batch_size,
+                                               sampler=NoLength())
+    with _loader(Numbers(10), batch_size=batch_size, sampler=NoLength(),
+                 workers=workers) as loader:
+        for _ in range(2):
+            assert [torch.as_tensor(b).tolist() for b in loader] == [
+                torch.as_tensor(b).tolist() for b in torch_loader]
+        with pytest.raises(TypeError):
+            len(loader)
+
