@@ -113,3 +113,31 @@ def test_a_sampler_without_len_iterates_as_in_torch(workers: tuple[int, str],
         with pytest.raises(TypeError):
             len(loader)
 
+
+def _epochs_after_seed(make: Any, epochs: int = 3) -> tuple[list[list[list[int]]], float]:
+    """The batches of ``epochs`` epochs after torch.manual_seed(5), and the next number of
+    torch's default generator after them."""
+    torch.manual_seed(5)
+    loader = make()
+    try:
+        got = [[b.tolist() for b in loader] for _ in range(epochs)]
+    finally:
+        getattr(loader, "close", lambda: None)()
+    return got, torch.rand(()).item()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_random_sampler_on_the_default_generator_follows_torch_every_epoch(
+        workers: tuple[int, str], persistent: bool) -> None:
+    """torch draws a base seed from the default generator per iterator (the first only with
+    persistent workers); RandomSampler's own draw comes after it: epoch 2 differed here."""
+    persistent = persistent and workers[0] > 0
+    ds = Numbers(23)
+    expected = _epochs_after_seed(lambda: torch.utils.data.DataLoader(
+        ds, batch_size=4, sampler=RandomSampler(ds), num_workers=workers[0],
+        persistent_workers=persistent))
+    got = _epochs_after_seed(lambda: _loader(
+        ds, batch_size=4, sampler=RandomSampler(ds), workers=workers,
+        persistent_workers=persistent))
+    assert got == expected

@@ -80,6 +80,7 @@ class Run:
         self.owned = Owned(Portal(), standby, self._lock)
         self.reading = Reading(config, self.owned, lambda: self._setup,
                                lambda: self._next_pass)
+        self._iterators = self._drawn = 0  # epochs begun; draws from `generator` made
         self._configure(config.seed)
         if warm == "forkserver":
             warm_forkserver(config.source)
@@ -102,7 +103,25 @@ class Run:
     def seed(self) -> int:
         if self._seed is None:
             self._seed = draw_seed(self.config.arguments["generator"])
+            self._drawn += 1
         return self._seed
+
+    def _draw_as_torch(self) -> None:
+        """torch draws a base seed from ``generator`` (or the default generator) for each
+        iterator it makes: every epoch, the first only with persistent workers. So does this
+        loader (the first draw is its seed), so that a sampler drawing from the same
+        generator (``RandomSampler`` without one) gives torch's order in every epoch."""
+        c = self.config
+        if c.arguments["seed"] is not None:
+            return
+        self._iterators += 1
+        persistent = c.workers.persistent and c.workers.num_workers > 0
+        while self._drawn < (1 if persistent else self._iterators):
+            if self._seed is None:
+                self.seed  # noqa: B018 - drawn, and counted, there
+            else:
+                draw_seed(c.arguments["generator"])
+                self._drawn += 1
 
     @property
     def _setup(self) -> Setup:
@@ -150,6 +169,7 @@ class Run:
                     "loader.aclose()`), or make a second DataLoader")
             self._move(Event.BEGIN)
             self._epoch = weakref.ref(epoch)
+        self._draw_as_torch()
         if current is not None:
             current.abandon(superseded=phase is Phase.IN_EPOCH)
         before = self.owned.session
