@@ -141,3 +141,25 @@ def test_a_random_sampler_on_the_default_generator_follows_torch_every_epoch(
         ds, batch_size=4, sampler=RandomSampler(ds), workers=workers,
         persistent_workers=persistent))
     assert got == expected
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_dataset_of_2_to_the_40_is_read_in_order_as_torch_reads_it(
+        workers: tuple[int, str]) -> None:
+    """torch's SequentialSampler is a range: O(1) whatever len(dataset). Here the plan was a
+    torch.arange of 2**40 indices (8 TB): RuntimeError at the first batch."""
+    with _loader(Numbers(2**40), batch_size=4, workers=workers) as loader:
+        assert len(loader) == 2**38
+        head = [b.tolist() for b in itertools.islice(loader, 3)]
+    assert head == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_few_indices_of_a_huge_dataset_through_a_sampler(drop_last: bool) -> None:
+    picks = [5, 2**40 - 1, 7]
+    expected = [b.tolist() for b in torch.utils.data.DataLoader(
+        Numbers(2**40), batch_size=2, drop_last=drop_last, sampler=picks)]
+    with _loader(Numbers(2**40), batch_size=2, drop_last=drop_last, sampler=picks,
+                 workers=(2, "process")) as loader:
+        assert len(loader) == len(expected)
+        assert [b.tolist() for b in loader] == expected

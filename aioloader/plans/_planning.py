@@ -23,6 +23,7 @@ from ._distributed import even_out, shard_order, share_size
 from ._samplers import (
     Batches,
     BatchSampler,
+    InOrder,
     derive_seed,
     index_batches,
     num_batches,
@@ -93,6 +94,9 @@ def plan_epoch(
     batches: Sequence[list[int]]
     if policy is Sharding.AS_IS:
         batches = _user_batches(spec.sampler)
+    elif spec.sampler is None and not spec.shuffle and spec.world_size == 1:
+        assert spec.batch_size is not None  # PlanSpec checked
+        batches = InOrder(len(data), spec.batch_size, spec.drop_last)
     elif policy is Sharding.SPLIT:
         batches = deal(spec, data, epoch, global_order(spec, len(data), epoch), whole=True)
     elif spec.sampler is not None:

@@ -96,6 +96,22 @@ class LazyPlan(Sequence[list[int]]):
         return repr(list(self))
 
 
+class InOrder(LazyPlan):
+    """``range(n)`` in batches, as torch's SequentialSampler gives it: O(1) to hold whatever
+    ``n`` (an arange of a dataset whose len() is 2**40 would take 8 TB)."""
+
+    def __init__(self, n: int, batch_size: int, drop_last: bool) -> None:
+        self._n, self._batch_size = n, batch_size
+        self._len = num_batches(n, batch_size, drop_last)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def batch(self, i: int) -> list[int]:
+        start = i * self._batch_size
+        return list(range(start, min(start + self._batch_size, self._n)))
+
+
 class Batches(LazyPlan):
     """A 1-D index tensor seen as batches of ``batch_size``.
 
