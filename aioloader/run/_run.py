@@ -102,9 +102,15 @@ class Run:
     @property
     def seed(self) -> int:
         if self._seed is None:
-            self._seed = draw_seed(self.config.arguments["generator"])
-            self._drawn += 1
+            self._draw()
+        assert self._seed is not None
         return self._seed
+
+    def _draw(self) -> None:
+        """One draw from ``generator`` (or torch's default one); the first is the seed."""
+        drawn = draw_seed(self.config.arguments["generator"])
+        self._seed = drawn if self._seed is None else self._seed
+        self._drawn += 1
 
     def _draw_as_torch(self) -> None:
         """torch draws a base seed from ``generator`` (or the default generator) for each
@@ -117,11 +123,7 @@ class Run:
         self._iterators += 1
         persistent = c.workers.persistent and c.workers.num_workers > 0
         while self._drawn < (1 if persistent else self._iterators):
-            if self._seed is None:
-                self.seed  # noqa: B018 - drawn, and counted, there
-            else:
-                draw_seed(c.arguments["generator"])
-                self._drawn += 1
+            self._draw()
 
     @property
     def _setup(self) -> Setup:
