@@ -36,3 +36,29 @@ def test_a_batch_the_collate_fn_keeps_is_not_overwritten(zero_copy: bool) -> Non
         loader.close()
     want = [([2.0 * k, 2.0 * k + 1], k + 0.5) for k in range(20)]
     assert got == want
+
+
+def _channels_last(samples: list[tuple[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A collate_fn for a channels_last model; it also returns a transposed (dense) view."""
+    (images,) = default_collate(samples)
+    return {"images": images.contiguous(memory_format=torch.channels_last),
+            "columns": images.flatten(1).t()}
+
+
+def test_a_dense_layout_comes_through_as_the_collate_fn_made_it() -> None:
+    # torch's process workers send a tensor's storage with its strides: a channels_last batch
+    # stays channels_last. Ours came out of the slot contiguous (same values, other layout).
+    images = TensorDataset(torch.arange(6 * 3 * 4 * 5.0).reshape(6, 3, 4, 5))
+    want = [_channels_last([images[i] for i in range(k, k + 3)]) for k in (0, 3)]  # torch's
+    loader = aioloader.DataLoader(images, batch_size=3, num_workers=1,
+                                  collate_fn=_channels_last, quiet=True)
+    try:
+        got = list(loader)
+    finally:
+        loader.close()
+    assert len(got) == len(want) == 2
+    for ours, theirs in zip(got, want, strict=True):
+        for key in ("images", "columns"):
+            assert torch.equal(ours[key], theirs[key])
+            assert ours[key].stride() == theirs[key].stride(), key
+        assert ours["images"].is_contiguous(memory_format=torch.channels_last)

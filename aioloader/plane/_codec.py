@@ -2,7 +2,8 @@
 
 ``encode`` is total: for any picklable batch, its tree packs with msgpack. Tensors go into
 the slot (or are found there, written by the collate) as ``["T", offset, dtype, shape,
-requires_grad]``; bytes of :data:`BYTES_IN_SLOT` or more as ``["B", offset, length]``.
+requires_grad]``, a dense one that is not contiguous (channels_last) with its dims' order
+after them; bytes of :data:`BYTES_IN_SLOT` or more as ``["B", offset, length]``.
 Containers keep their exact type: ``"d"`` dict, ``"l"`` list, ``"t"`` tuple, ``"n"``
 namedtuple, ``"m"`` other mapping rebuilt from its items, ``"o"`` a ``UserDict`` (such as
 transformers' ``BatchEncoding``) or a dataclass, rebuilt from its class and pickle state
@@ -120,10 +121,14 @@ def _encode(obj: Any, slot: SlotWriter, depth: int) -> Any:
         t = obj.detach()
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
+        order = _dense_order(t)
+        if order is not None:
+            t = t.permute(order)
         off = slot.offset_of(t) if t.numel() else 0
         if off is None:
             off = slot.place(t)
-        return ["T", off, str(t.dtype)[6:], list(t.shape), obj.requires_grad]
+        tensor = ["T", off, str(t.dtype)[6:], list(t.shape), obj.requires_grad]
+        return tensor if order is None else [*tensor, order]
     if depth >= _MAX_DEPTH:
         raise _TooDeep
     depth += 1
@@ -158,6 +163,17 @@ def _encode(obj: Any, slot: SlotWriter, depth: int) -> Any:
     if rebuilt is not None:
         return ["o", rebuilt[0], _encode(rebuilt[1], slot, depth)]
     return ["P", _pickled(obj)]
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """The dims of a dense but not contiguous tensor (channels_last, a transpose) from the
+    largest stride down: permuted so, it is contiguous, and it travels with that order (torch
+    keeps a tensor's strides across processes too). None for others: a contiguous tensor, or
+    a view with gaps, which travels as a contiguous copy of its own bytes."""
+    if t.is_contiguous():
+        return None
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    return order if t.permute(order).is_contiguous() else None
 
 
 def _pickled(obj: Any) -> bytes:
@@ -277,9 +293,11 @@ def decode(tree: Any, tensor_at: TensorAt) -> Any:
         return tree
     tag = tree[0]
     if tag == "T":
-        _, off, dtype_name, shape, requires_grad = tree
+        _, off, dtype_name, shape, requires_grad, *order = tree
         dtype = getattr(torch, dtype_name)
         out = torch.empty(shape, dtype=dtype) if 0 in shape else tensor_at(off, dtype, shape)
+        if order:  # its dims back in place (_dense_order)
+            out = out.permute([order[0].index(d) for d in range(len(shape))])
         if requires_grad:
             out.requires_grad_(True)
         return out

@@ -180,7 +180,8 @@ class Channel:
             await self.send(wire.Batch(slot, seq, tensors_nbytes(payload), None, mark, busy))
             return True
         if pool.arena is None:
-            payload = make()  # the first batch tells how large a slot must be
+            with use_allocator(MEMORY):  # stacked as in a slot: contiguous, whatever the samples
+                payload = make()  # the first batch tells how large a slot must be
             slot = await self._grow(tensors_nbytes(payload), slot)
             writer = SlotWriter(self._arena(), slot)
         else:
