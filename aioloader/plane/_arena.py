@@ -131,6 +131,7 @@ class SlotWriter:
         self.start, self.end = arena.slot_range(slot)
         self.pos = self.start
         self.overflow = 0  # bytes asked for that did not fit
+        self.tensors: dict[int, int] = {}  # the encoder's: tensor id -> its place in the batch
         # What alloc hands out views one numpy array over the slot, so that the worker can
         # tell whether any outlived the batch (a collate_fn that keeps what it collated).
         self.handed_out: weakref.ref[object] | None = None
