@@ -131,6 +131,11 @@ class SlotWriter:
         self.start, self.end = arena.slot_range(slot)
         self.pos = self.start
         self.overflow = 0  # bytes asked for that did not fit
+        self.tensors: dict[int, int] = {}  # the encoder's: tensor id -> its place in the batch
+        # What alloc hands out views one numpy array over the slot, so that the worker can
+        # tell whether any outlived the batch (a collate_fn that keeps what it collated).
+        self.handed_out: weakref.ref[object] | None = None
+        self._slot_storage: torch.UntypedStorage | None = None
 
     def _take(self, nbytes: int) -> int | None:
         """The offset of ``nbytes`` more of the slot (aligned), or None where they do not fit."""
@@ -154,7 +159,17 @@ class SlotWriter:
         if off is None:
             self.overflow += align(nbytes)
             return torch.empty(shape, dtype=dtype)
-        return self.arena.view(off, dtype, list(shape))
+        if self._slot_storage is None:
+            import numpy as np
+
+            base = np.frombuffer(self.arena._mm, dtype=np.uint8,  # type: ignore[arg-type]
+                                 count=self.end - self.start, offset=self.start)
+            self.handed_out = weakref.ref(base)
+            self._slot_storage = torch.from_numpy(base).untyped_storage()
+        out: torch.Tensor = torch.empty(0, dtype=dtype).set_(
+            self._slot_storage, (off - self.start) // dtype.itemsize,  # type: ignore[call-overload]
+            list(shape))
+        return out
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Where ``t`` already lies in this slot (contiguous, whole), else None."""

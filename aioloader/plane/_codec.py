@@ -2,7 +2,9 @@
 
 ``encode`` is total: for any picklable batch, its tree packs with msgpack. Tensors go into
 the slot (or are found there, written by the collate) as ``["T", offset, dtype, shape,
-requires_grad]``; bytes of :data:`BYTES_IN_SLOT` or more as ``["B", offset, length]``.
+requires_grad]``, a dense one that is not contiguous (channels_last) with its dims' order
+after them, and a tensor met before in the batch as ``["R", k]`` (the k-th "T"); bytes of
+:data:`BYTES_IN_SLOT` or more as ``["B", offset, length]``.
 Containers keep their exact type: ``"d"`` dict, ``"l"`` list, ``"t"`` tuple, ``"n"``
 namedtuple, ``"m"`` other mapping rebuilt from its items, ``"o"`` a ``UserDict`` (such as
 transformers' ``BatchEncoding``) or a dataclass, rebuilt from its class and pickle state
@@ -117,13 +119,21 @@ def _encode(obj: Any, slot: SlotWriter, depth: int) -> Any:
     if isinstance(obj, torch.Tensor):
         if not _is_plain_tensor(obj):
             return ["P", _pickled(obj)]
+        again = slot.tensors.get(id(obj))
+        if again is not None:  # the same tensor twice: decoded as one, as pickle would
+            return ["R", again]
+        slot.tensors[id(obj)] = len(slot.tensors)
         t = obj.detach()
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
+        order = _dense_order(t)
+        if order is not None:
+            t = t.permute(order)
         off = slot.offset_of(t) if t.numel() else 0
         if off is None:
             off = slot.place(t)
-        return ["T", off, str(t.dtype)[6:], list(t.shape), obj.requires_grad]
+        tensor = ["T", off, str(t.dtype)[6:], list(t.shape), obj.requires_grad]
+        return tensor if order is None else [*tensor, order]
     if depth >= _MAX_DEPTH:
         raise _TooDeep
     depth += 1
@@ -158,6 +168,17 @@ def _encode(obj: Any, slot: SlotWriter, depth: int) -> Any:
     if rebuilt is not None:
         return ["o", rebuilt[0], _encode(rebuilt[1], slot, depth)]
     return ["P", _pickled(obj)]
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """The dims of a dense but not contiguous tensor (channels_last, a transpose) from the
+    largest stride down: permuted so, it is contiguous, and it travels with that order (torch
+    keeps a tensor's strides across processes too). None for others: a contiguous tensor, or
+    a view with gaps, which travels as a contiguous copy of its own bytes."""
+    if t.is_contiguous():
+        return None
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    return order if t.permute(order).is_contiguous() else None
 
 
 def _pickled(obj: Any) -> bytes:
@@ -271,26 +292,34 @@ class Copied:
         return self.arena.read(offset, n)
 
 
-def decode(tree: Any, tensor_at: TensorAt) -> Any:
-    """Rebuild what ``encode`` wrote, each tensor made by ``tensor_at`` (copied or leased)."""
+def decode(tree: Any, tensor_at: TensorAt, tensors: list[torch.Tensor] | None = None) -> Any:
+    """Rebuild what ``encode`` wrote, each tensor made by ``tensor_at`` (copied or leased);
+    ``tensors``: those decoded so far, in order (``"R"`` names one of them again)."""
     if type(tree) is not list:
         return tree
+    if tensors is None:
+        tensors = []
     tag = tree[0]
     if tag == "T":
-        _, off, dtype_name, shape, requires_grad = tree
+        _, off, dtype_name, shape, requires_grad, *order = tree
         dtype = getattr(torch, dtype_name)
         out = torch.empty(shape, dtype=dtype) if 0 in shape else tensor_at(off, dtype, shape)
+        if order:  # its dims back in place (_dense_order)
+            out = out.permute([order[0].index(d) for d in range(len(shape))])
         if requires_grad:
             out.requires_grad_(True)
+        tensors.append(out)
         return out
+    if tag == "R":
+        return tensors[tree[1]]
     if tag == "d":
         items = tree[1]
-        return {decode(items[i], tensor_at): decode(items[i + 1], tensor_at)
+        return {decode(items[i], tensor_at, tensors): decode(items[i + 1], tensor_at, tensors)
                 for i in range(0, len(items), 2)}
     if tag == "l":
-        return [decode(v, tensor_at) for v in tree[1]]
+        return [decode(v, tensor_at, tensors) for v in tree[1]]
     if tag == "t":
-        return tuple(decode(v, tensor_at) for v in tree[1])
+        return tuple(decode(v, tensor_at, tensors) for v in tree[1])
     if tag == "B":
         return tensor_at.read(tree[1], tree[2])
     if tag == "s":
@@ -298,12 +327,12 @@ def decode(tree: Any, tensor_at: TensorAt) -> Any:
     if tag == "P":
         return pickle.loads(tree[1])
     if tag == "o":
-        return _rebuild(_class_from(tree[1]), decode(tree[2], tensor_at))
+        return _rebuild(_class_from(tree[1]), decode(tree[2], tensor_at, tensors))
     if tag == "n":
-        return _class_from(tree[1])(*(decode(v, tensor_at) for v in tree[2]))
+        return _class_from(tree[1])(*(decode(v, tensor_at, tensors) for v in tree[2]))
     if tag == "m":
         items = tree[2]
         return _class_from(tree[1])(
-            [(decode(items[i], tensor_at), decode(items[i + 1], tensor_at))
+            [(decode(items[i], tensor_at, tensors), decode(items[i + 1], tensor_at, tensors))
              for i in range(0, len(items), 2)])
     raise ValueError(f"corrupt batch tree: unknown tag {tag!r}")

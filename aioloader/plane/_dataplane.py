@@ -15,12 +15,13 @@ import asyncio
 import collections
 import functools
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .._stats import ArenaStats
-from ._arena import ArenaMap, Lease, create_file, round_slot_size
+from ._arena import ArenaMap, Lease, SlotWriter, create_file, round_slot_size
 from ._codec import Copied, decode
 
 COPY_IN_THREAD_BYTES = 1 << 20  # a copy this large runs in a thread: the loop keeps going
@@ -47,17 +48,28 @@ class SlotPool:
         self.free: collections.deque[int] = collections.deque(range(slots))
         self.generation = 0
         self.arena: ArenaMap | None = None
+        self.handed_out: dict[int, weakref.ref[object]] = {}  # SlotWriter's, by published slot
+        self.kept = False  # a slot came back while this worker still held tensors in it
+
+    def published(self, slot: int, writer: SlotWriter) -> None:
+        if writer.handed_out is not None:
+            self.handed_out[slot] = writer.handed_out
 
     def returned(self, slot: int) -> None:
-        """The parent gave ``slot`` back; a slot of a retired generation stays retired."""
+        """The parent gave ``slot`` back; a slot of a retired generation stays retired. If
+        the collate_fn kept tensors it built there, the next batch goes to a new generation
+        (this one stays mapped while they live): writing the slot would change them."""
+        handed_out = self.handed_out.pop(slot, None)
         if slot // self.slots == self.generation:
+            if handed_out is not None and handed_out() is not None:
+                self.kept = True
             self.free.append(slot)
 
     def reserve(self) -> int:
         return self.free.popleft()
 
     def fits(self, needed: int) -> bool:
-        return self.arena is not None and needed <= self.arena.slot_size
+        return self.arena is not None and not self.kept and needed <= self.arena.slot_size
 
     def grow(self, needed: int, holding: int) -> Grown:
         """A larger arena (a new generation) for batches of ``needed`` bytes; ``holding``: the
@@ -76,6 +88,8 @@ class SlotPool:
             self.free = collections.deque(range(first, first + self.slots))
             holding = self.free.popleft()
         self.arena = new
+        self.kept = False
+        self.handed_out.clear()
         return Grown(fd, size, holding)
 
     def close(self) -> None:

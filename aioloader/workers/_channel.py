@@ -180,11 +180,14 @@ class Channel:
             await self.send(wire.Batch(slot, seq, tensors_nbytes(payload), None, mark, busy))
             return True
         if pool.arena is None:
-            payload = make()  # the first batch tells how large a slot must be
+            with use_allocator(MEMORY):  # stacked as in a slot: contiguous, whatever the samples
+                payload = make()  # the first batch tells how large a slot must be
             slot = await self._grow(tensors_nbytes(payload), slot)
             writer = SlotWriter(self._arena(), slot)
         else:
-            writer = SlotWriter(pool.arena, slot)
+            if pool.kept:  # (SlotPool.returned)
+                slot = await self._grow(pool.arena.slot_size, slot)
+            writer = SlotWriter(self._arena(), slot)
             with use_allocator(writer.alloc):
                 payload = make()
             if writer.overflow:
@@ -196,6 +199,8 @@ class Channel:
             slot = await self._grow(full.needed, slot)
             writer = SlotWriter(self._arena(), slot)
             tree = encode(payload, writer)
+        del payload  # before the parent can give the slot back (SlotPool.returned)
+        pool.published(slot, writer)
         nbytes = writer.pos - writer.start
         busy = time.monotonic() - self.started - self.idle
         await self.send(wire.Batch(slot, seq, nbytes, tree, mark, busy))
