@@ -13,7 +13,9 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 ALIGN = 64  # cache-line alignment of every tensor in a slot; also fine for any dtype view
@@ -65,6 +67,14 @@ class ArenaMap:
         start = (slot % self.slots) * self.slot_size
         return start, start + self.slot_size
 
+    def slot_array(self, slot: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """One numpy array over ``slot``'s bytes: tensors made from it keep it alive, and it is
+        the only object whose death is observable (torch storages get new Python wrappers
+        each time they are looked at)."""
+        assert self._mm is not None
+        start, _ = self.slot_range(slot)
+        return np.frombuffer(self._mm, dtype=np.uint8, count=self.slot_size, offset=start)
+
     def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         """The tensor of ``dtype``/``shape`` stored contiguously at ``offset`` (aligned)."""
         # set_ on the storage is about twice as fast as slicing and re-viewing the bytes.
@@ -96,13 +106,10 @@ class Lease:
     (torch storages get new Python wrappers each time they are looked at)."""
 
     def __init__(self, arena: ArenaMap, slot: int, on_free: Callable[[], None]) -> None:
-        import numpy as np
-
         assert arena._mm is not None
         self._mm = arena._mm  # bytes are read straight from the mapping (no view kept)
         self._start, _ = arena.slot_range(slot)
-        self._base = np.frombuffer(arena._mm, dtype=np.uint8, count=arena.slot_size,
-                                   offset=self._start)
+        self._base = arena.slot_array(slot)
         weakref.finalize(self._base, on_free)
 
     def __call__(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -128,6 +135,7 @@ class SlotWriter:
 
     def __init__(self, arena: ArenaMap, slot: int) -> None:
         self.arena = arena
+        self.slot = slot
         self.start, self.end = arena.slot_range(slot)
         self.pos = self.start
         self.overflow = 0  # bytes asked for that did not fit
@@ -160,10 +168,7 @@ class SlotWriter:
             self.overflow += align(nbytes)
             return torch.empty(shape, dtype=dtype)
         if self._slot_storage is None:
-            import numpy as np
-
-            base = np.frombuffer(self.arena._mm, dtype=np.uint8,  # type: ignore[arg-type]
-                                 count=self.end - self.start, offset=self.start)
+            base = self.arena.slot_array(self.slot)
             self.handed_out = weakref.ref(base)
             self._slot_storage = torch.from_numpy(base).untyped_storage()
         out: torch.Tensor = torch.empty(0, dtype=dtype).set_(
