@@ -75,8 +75,12 @@ class Reading:
     def known_length(self) -> int | None:
         """The epoch's length where it is known without reading anything."""
         c = self._config
-        if (c.batching.batches_per_epoch is not None or c.kind is Kind.MAP
-                or self.cache is not None):
+        if c.kind is Kind.MAP and c.batching.batches_per_epoch is None:
+            try:
+                return self.length()
+            except TypeError:  # a sampler without len(): torch iterates it all the same
+                return None
+        if c.batching.batches_per_epoch is not None or self.cache is not None:
             return self.length()
         return None
 
