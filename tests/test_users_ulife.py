@@ -5,6 +5,7 @@ against torch's DataLoader where torch has the same thing. The autouse leak chec
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,3 +49,52 @@ def test_a_sampler_without_len_is_iterated_as_torch_iterates_it(num_workers: int
         return [b["index"].tolist() async for b in ours]
 
     assert asyncio.run(consume()) == want
+
+
+def _epoch_in_child(loader: Any, conn: Any, face: str) -> None:
+    try:
+        if face == "sync":
+            got = indices(loader)
+        else:
+            async def consume() -> list[list[int]]:
+                return [b["index"].tolist() async for b in loader]
+
+            got = asyncio.run(consume())
+        loader.close()  # the child's own workers
+        conn.send(got)
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which asserts
+        conn.send(f"{type(err).__name__}: {err}")
+
+
+@pytest.mark.parametrize(("persistent", "mid_epoch", "worker_type", "face"), [
+    (False, True, "process", "sync"), (True, True, "process", "sync"),
+    (True, False, "process", "async"), (True, True, "thread", "sync")])
+def test_a_forked_child_iterates_the_loader_it_inherited(
+        persistent: bool, mid_epoch: bool, worker_type: str, face: str) -> None:
+    # A user's Process(target=train, args=(loader,)) under fork, while the parent's loader
+    # has workers (mid-epoch, or persistent): the child's epoch closed or attached to the
+    # parent's session ("can only join a child process", "Invalid file descriptor: -1").
+    # torch's loader starts workers of the child's own; ours now does too.
+    loader = aioloader.DataLoader(Squares(12), batch_size=4, num_workers=2,
+                                  persistent_workers=persistent, worker_type=worker_type)
+    want = indices(TorchLoader(Squares(12), batch_size=4))
+    assert indices(loader) == want
+    it = iter(loader)
+    if mid_epoch:
+        next(it)
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_epoch_in_child, args=(loader, theirs, face))
+    child.start()
+    theirs.close()
+    try:
+        assert ours.poll(60), "the child gave nothing in 60 s"
+        assert ours.recv() == want
+        child.join(30)
+        assert child.exitcode == 0
+        assert [b["index"].tolist() for b in it] == (want[1:] if mid_epoch else want)
+        assert indices(loader) == want  # the parent's workers were untouched
+    finally:
+        child.join(30)
+        ours.close()
+        loader.close()
