@@ -5,6 +5,7 @@ against torch's DataLoader where torch has the same thing. The autouse leak chec
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 from collections.abc import Iterator
 from typing import Any
@@ -98,3 +99,28 @@ def test_a_forked_child_iterates_the_loader_it_inherited(
         child.join(30)
         ours.close()
         loader.close()
+
+
+class Interrupted(Squares):
+    """Ctrl-C arriving while index 5 is fetched (num_workers=0 fetches in the caller's
+    thread), raised at a known point rather than sent at a random time."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == 5:
+            raise KeyboardInterrupt
+        return super().__getitem__(i)
+
+
+def test_ctrl_c_in_the_sync_face_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    # The portal's task ended with the KeyboardInterrupt that _drive re-raised without
+    # retrieving it: when the task was collected, asyncio logged "Task exception was never
+    # retrieved" and the whole traceback again, under the user's own KeyboardInterrupt.
+    loader = aioloader.DataLoader(Interrupted(12), batch_size=4)
+    got: list[list[int]] = []
+    with pytest.raises(KeyboardInterrupt):
+        for b in loader:
+            got.append(b["index"].tolist())
+    assert got == [[0, 1, 2, 3]]
+    gc.collect()
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+    loader.close()
