@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import multiprocessing
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,3 +125,49 @@ def test_ctrl_c_in_the_sync_face_logs_nothing(caplog: pytest.LogCaptureFixture) 
     gc.collect()
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
     loader.close()
+
+
+class TwoArguments(Exception):
+    """An exception whose type cannot be made from its message alone."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}/{b}")
+
+
+class HoldsALock(Exception):
+    """An exception that cannot be pickled (its attribute cannot)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class RaisesAt2(Squares):
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__(4)
+        self.error = error
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == 2:
+            raise TwoArguments(1, 2) if self.error is TwoArguments else self.error("no pickle")
+        return super().__getitem__(i)
+
+
+def _raised(cls: Any, dataset: Any) -> BaseException:
+    with pytest.raises(Exception) as caught:
+        for _ in cls(dataset, batch_size=1, num_workers=1):
+            pass
+    return caught.value
+
+
+@pytest.mark.parametrize("error", [TwoArguments, HoldsALock])
+def test_a_worker_exception_that_cannot_travel_is_of_torchs_type(error: type[Exception]) -> None:
+    # Its pickle did not survive the round trip, so the parent had only its text and raised a
+    # plain WorkerError: neither the RuntimeError that torch raises where the type refuses
+    # `type(exc)(message)`, nor the original type where it accepts it (torch rebuilds that).
+    torchs = type(_raised(TorchLoader, RaisesAt2(error)))
+    assert torchs is (RuntimeError if error is TwoArguments else error)
+    ours = _raised(aioloader.DataLoader, RaisesAt2(error))
+    assert isinstance(ours, aioloader.WorkerError)
+    assert isinstance(ours, torchs)
+    assert "Traceback from the worker" in str(ours)
