@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import multiprocessing
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,3 +174,34 @@ def test_a_worker_exception_that_cannot_travel_is_of_torchs_type(error: type[Exc
     assert isinstance(ours, aioloader.WorkerError)
     assert isinstance(ours, torchs)
     assert "Traceback from the worker" in str(ours)
+
+
+_COLLECTED_UNDER_A_LOCK = """
+import concurrent.futures.thread as cft, gc, sys
+sys.path.insert(0, {tests!r})
+import aioloader
+from core_sources import Squares
+loader = aioloader.DataLoader(Squares(40), batch_size=4, num_workers=1)
+it = iter(loader)
+next(it)
+cycle = [it, loader]
+cycle.append(cycle)
+del it, cycle
+with cft._global_shutdown_lock:  # as an executor's submit() holds it, starting a thread
+    gc.collect()  # the dropped epoch's backstop runs here
+print("collected", len(list(loader)), flush=True)
+loader.close()
+"""
+
+
+def test_an_epoch_collected_where_a_lock_is_held_does_not_deadlock() -> None:
+    # The sync face's backstop closed the dropped epoch in the collecting thread, and that
+    # close submits to an executor, which takes concurrent.futures' global lock: a
+    # collection in a thread holding it (an executor's submit() starting a thread, where the
+    # new thread or the submitting one collects) waited for it forever. Seen in a script
+    # that dropped half-done loaders in one thread while another iterated its own.
+    code = _COLLECTED_UNDER_A_LOCK.format(tests=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "collected 10\n"
