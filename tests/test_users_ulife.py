@@ -205,3 +205,15 @@ def test_an_epoch_collected_where_a_lock_is_held_does_not_deadlock() -> None:
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "collected 10\n"
+
+
+def test_uvloop_is_imported_with_aioloader_not_in_a_worker() -> None:
+    # A worker forked while another thread of the parent imported uvloop for the first time
+    # (each of two threads starting its first loader) inherited that import's module lock,
+    # held, and its own `import uvloop` waited forever. Imported with aioloader, before any
+    # thread of ours exists, no worker imports it.
+    pytest.importorskip("uvloop")
+    code = "import sys, aioloader; print('uvloop' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout == "True\n", done.stderr
