@@ -10,13 +10,24 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+def _preferred() -> Callable[[], asyncio.AbstractEventLoop]:
     try:
         import uvloop
     except ImportError:
         return asyncio.new_event_loop
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
+
+
+# Chosen once, as aioloader is imported: a worker forked while another thread of the parent
+# was importing uvloop (its first loader, say) inherits that import's module lock held, and
+# an import of uvloop in the worker then waited for it forever (seen with two threads each
+# starting loaders).
+_FACTORY = _preferred()
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    return _FACTORY
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

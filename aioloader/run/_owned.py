@@ -40,6 +40,13 @@ class Owned:
             self.standby.close(0.0)
         self.portal.close()
 
+    def adopt(self) -> None:
+        """In a forked child that inherited the loader (a user's ``Process`` given it): forget
+        the parent's session and standbys, never touching them, so that the child's next
+        epoch starts workers of its own, as torch's loader does there."""
+        if os.getpid() != self.owner_pid:
+            self.owner_pid, self.session, self.standby = os.getpid(), None, None
+
     async def aclose(self) -> None:
         """Stop the workers, on the loop they are attached to, without blocking this one."""
         if self.standby is not None:

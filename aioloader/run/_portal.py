@@ -135,6 +135,11 @@ class Portal:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     loop.run_until_complete(task)
+            elif not task.cancelled():
+                # Ctrl-C raised inside the step (num_workers=0 fetches in it): the task holds
+                # what is raised here; marked retrieved, or its collection logs "Task
+                # exception was never retrieved" with the whole traceback.
+                task.exception()
             raise
         finally:
             del task  # this frame is in that traceback too

@@ -156,6 +156,7 @@ class Run:
         it does is the phase's (docs/architecture.md, "The run's phase"); over an epoch
         that waits for a batch right now, in another task or thread, it is refused."""
         with self._lock:
+            self.owned.adopt()
             phase = self.phase
             if phase is Phase.CLOSING:
                 raise LoaderClosedError(

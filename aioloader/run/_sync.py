@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -80,10 +81,18 @@ class SyncEpoch(Iterator[Any]):
 
 
 def _dropped(portal: Portal, epoch: Epoch) -> None:
-    """The backstop of an epoch dropped half-way: closed, without waiting where another
-    thread drives the loop (:meth:`Portal.hand`)."""
-    if running_loop() is not portal.loop:  # not from inside a step (a GC there)
-        portal.hand(epoch.aclose())
+    """The backstop of an epoch dropped half-way: closed (:meth:`Portal.hand`) from a thread
+    of its own. A collection runs this in whatever thread allocates, whatever locks it holds:
+    an executor's ``submit`` holds concurrent.futures' global lock while the thread it starts
+    collects, and a close here, which submits too, waited for that lock forever."""
+    if running_loop() is portal.loop:  # not from inside a step (a GC there)
+        return
+    closing = epoch.aclose()
+    try:
+        threading.Thread(target=portal.hand, args=(closing,), name="aioloader-dropped",
+                         daemon=True).start()
+    except RuntimeError:  # the interpreter is exiting: no new thread
+        portal.hand(closing)
 
 
 async def _anext(it: AsyncIterator[Any], stream: Any = None) -> Any:

@@ -27,13 +27,29 @@ def described(exc: BaseException, shelf: Shelf | None,
 
 
 def pickled_error(exc: BaseException) -> bytes | None:
-    """``exc`` pickled, if it survives the round trip (None: the parent gets its text)."""
+    """``exc`` pickled, if it survives the round trip; else what torch re-raises for it:
+    its type made from its message alone (``type(exc)(message)``, its attributes left
+    behind), or a ``RuntimeError`` where that type refuses one argument. None: the parent
+    gets its text only."""
+    for stand_in in (exc, _message_only(exc), RuntimeError(str(exc))):
+        try:
+            pickled = pickle.dumps(stand_in)
+            pickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - the next stand-in, or the text alone
+            continue
+        return pickled
+    return None
+
+
+def _message_only(exc: BaseException) -> BaseException | None:
+    """``exc``'s type holding ``str(exc)`` and nothing else: it unpickles as
+    ``type(exc)(str(exc))``, as torch's ExceptionWrapper rebuilds it."""
     try:
-        pickled = pickle.dumps(exc)
-        pickle.loads(pickled)
-    except Exception:  # noqa: BLE001 - the traceback text still reaches the parent
+        bare = type(exc).__new__(type(exc))
+        bare.args = (str(exc),)
+    except Exception:  # noqa: BLE001 - a type that cannot be made so
         return None
-    return pickled
+    return bare
 
 
 def traceback_text(exc: BaseException) -> str:
