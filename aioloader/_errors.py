@@ -53,8 +53,11 @@ def worker_error_for(original: BaseException | None, message: str, *, worker_id:
                      pid: int | None) -> WorkerError:
     """A :class:`WorkerError` that is also of ``type(original)`` where Python allows it
     (``KeyErrorFromWorker(WorkerError, KeyError)``, one class per type), else a plain one;
-    its args ``(message,)`` as torch's re-raise, the original's attributes copied."""
-    cls = _mixed_type(type(original)) if original is not None else None
+    its args ``(message,)`` as torch's re-raise, the original's attributes copied. A
+    ``SystemExit`` (any BaseException but an Exception) ends a torch worker, which its
+    parent reports as a ``RuntimeError`` ("exited unexpectedly"): so is this one."""
+    kind = type(original) if isinstance(original, Exception) else RuntimeError
+    cls = _mixed_type(kind) if original is not None else None
     if cls is None:  # (one that _mixed_type made can be rebuilt: it tried)
         return WorkerError(message, worker_id=worker_id, pid=pid)
     err = _rebuild(cls, message, {**getattr(original, "__dict__", {}), "worker_id": worker_id,

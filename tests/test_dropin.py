@@ -525,14 +525,25 @@ def test_worker_exception_still_a_worker_error() -> None:
 
 @pytest.mark.parametrize("original", [
     StopIteration("ran dry"), StopAsyncIteration(), MemoryError(),
-    ExceptionGroup("two", [ValueError(1), KeyError(2)]), KeyboardInterrupt(),
-    aioloader.WorkerError("nested"),
+    ExceptionGroup("two", [ValueError(1), KeyError(2)]), aioloader.WorkerError("nested"),
 ], ids=lambda e: type(e).__name__)
 def test_types_that_cannot_mix_stay_plain_worker_errors(original: BaseException) -> None:
-    # A StopAsyncIteration mixed in would end the epoch quietly, a KeyboardInterrupt
-    # would not be an Exception; MemoryError and ExceptionGroup refuse a subclass made so.
+    # A StopAsyncIteration mixed in would end the epoch quietly; MemoryError and
+    # ExceptionGroup refuse a subclass made so. (A KeyboardInterrupt or SystemExit, no
+    # Exception, ends a torch worker: a RuntimeError, test_users_ulife.py.)
     from aioloader._errors import worker_error_for
 
     err = worker_error_for(original, "worker 0 raised it", worker_id=0, pid=1)
     assert type(err) is aioloader.WorkerError
+    assert (str(err), err.worker_id, err.pid) == ("worker 0 raised it", 0, 1)
+
+
+@pytest.mark.parametrize("original", [KeyboardInterrupt(), SystemExit(3), GeneratorExit()],
+                         ids=lambda e: type(e).__name__)
+def test_a_base_exception_that_ends_a_worker_is_a_runtime_error(original: BaseException) -> None:
+    # No Exception, so no mix of its own type: torch's parent says "exited unexpectedly".
+    from aioloader._errors import worker_error_for
+
+    err = worker_error_for(original, "worker 0 raised it", worker_id=0, pid=1)
+    assert isinstance(err, aioloader.WorkerError) and isinstance(err, RuntimeError)
     assert (str(err), err.worker_id, err.pid) == ("worker 0 raised it", 0, 1)

@@ -176,6 +176,31 @@ def test_a_worker_exception_that_cannot_travel_is_of_torchs_type(error: type[Exc
     assert "Traceback from the worker" in str(ours)
 
 
+class ExitsAt2(Squares):
+    """``sys.exit(3)`` in ``__getitem__``: torch's worker process ends there."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i == 2:
+            sys.exit(3)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_a_worker_that_exits_is_a_runtime_error_as_torchs(worker_type: str) -> None:
+    # A SystemExit is no Exception: it cannot be mixed into a WorkerError, so the parent
+    # raised a plain WorkerError where torch raises RuntimeError ("DataLoader worker (pid N)
+    # exited unexpectedly with exit code 3"; not run here: torch's SIGCHLD handler then fires
+    # inside pytest, and its dead iterator's pipes and shared memory outlive the test).
+    with pytest.raises(RuntimeError, match=r"raised SystemExit\(3\)") as caught:
+        for _ in aioloader.DataLoader(ExitsAt2(), batch_size=1, num_workers=1,
+                                      worker_type=worker_type):
+            pass
+    assert isinstance(caught.value, aioloader.WorkerError)
+
+
 _COLLECTED_UNDER_A_LOCK = """
 import concurrent.futures.thread as cft, gc, sys
 sys.path.insert(0, {tests!r})
