@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -80,14 +81,29 @@ class SyncEpoch(Iterator[Any]):
                 self._portal.call(epoch.aclose())
 
 
+_COLLECTING = threading.local()  # .now: this thread is inside a garbage collection
+
+
+def _collection(phase: str, info: dict[str, Any]) -> None:
+    _COLLECTING.now = phase == "start"
+
+
+gc.callbacks.append(_collection)
+
+
 def _dropped(portal: Portal, epoch: Epoch) -> None:
-    """The backstop of an epoch dropped half-way: closed (:meth:`Portal.hand`) from a thread
-    of its own. A collection runs this in whatever thread allocates, whatever locks it holds:
-    an executor's ``submit`` holds concurrent.futures' global lock while the thread it starts
-    collects, and a close here, which submits too, waited for that lock forever."""
+    """The backstop of an epoch dropped half-way: closed (:meth:`Portal.hand`). Dropped by its
+    last reference (a ``break``), it closes here, so that the workers are reaped when the loop
+    is left, as torch's are. Collected, it closes from a thread of its own: a collection runs
+    in whatever thread allocates, whatever locks it holds (an executor's ``submit`` holds
+    concurrent.futures' global lock while the thread it starts collects), and a close there,
+    which submits too, waited for that lock forever."""
     if running_loop() is portal.loop:  # not from inside a step (a GC there)
         return
     closing = epoch.aclose()
+    if not getattr(_COLLECTING, "now", False):
+        portal.hand(closing)
+        return
     try:
         threading.Thread(target=portal.hand, args=(closing,), name="aioloader-dropped",
                          daemon=True).start()
