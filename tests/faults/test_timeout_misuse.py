@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing.process
+import os
 import time
 from typing import Any
 
@@ -156,10 +157,14 @@ def test_collate_returns_unsupported_type(collate: Any, type_name: str, workers:
 
 
 async def _hold_then_race(loader: aioloader.DataLoader, *, while_waiting: bool,
+                          gate: int | None = None,
                           ) -> tuple[list[int], BaseException | None, BaseException | None]:
     """Task A iterates; task B starts a second iteration of the same loader meanwhile.
-    Returns what A got, how B ended and how A ended (None: normally)."""
+    Returns what A got, how B ended and how A ended (None: normally). ``gate``: the write
+    end of a :class:`victims.GatedReader`'s pipe, opened once B has ended."""
     second: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    if gate is not None:
+        second.add_done_callback(lambda _: os.write(gate, b"go"))  # a byte per worker
 
     async def b() -> None:
         try:
@@ -189,11 +194,21 @@ async def _hold_then_race(loader: aioloader.DataLoader, *, while_waiting: bool,
     pytest.param(False, id="A-between"),
 ])
 def test_two_iterations_at_once(while_waiting: bool) -> None:
-    reader = SlowReader(20, delay=0.01)
+    # Waiting: no second batch exists until B has ended (GatedReader), so A is surely
+    # inside its wait when B starts; with a batch already there, A's step would return
+    # without waiting and B would supersede it (as "between" does).
+    read_end, write_end = os.pipe()
+    reader = (victims.GatedReader(20, read_end) if while_waiting
+              else SlowReader(20, delay=0.01))
     loader = aioloader.DataLoader(reader, batch_size=2, num_workers=2,
                                   max_instances_in_memory=8, quiet=True)
-    got, second, first = asyncio.run(asyncio.wait_for(
-        _hold_then_race(loader, while_waiting=while_waiting), 30))
+    try:
+        got, second, first = asyncio.run(asyncio.wait_for(
+            _hold_then_race(loader, while_waiting=while_waiting, gate=write_end), 30))
+    finally:
+        loader.close()
+        os.close(read_end)
+        os.close(write_end)
     if while_waiting:
         # A waits for a batch in its task: B is refused, A goes on undisturbed.
         assert isinstance(second, aioloader.LoaderBusyError), repr(second)

@@ -169,3 +169,21 @@ class Stalls(torch.utils.data.Dataset):  # type: ignore[type-arg]
                 os.close(fd)
             time.sleep(3600)
         return {"index": i}
+
+
+class GatedReader(PlainReader):
+    """Only worker 0's first batch (instances 0 and 2 of a 2-worker shard) comes at once;
+    each worker then reads one byte from the pipe ``gate`` (inherited by fork) before
+    going on: until the test writes them, the consumer's next batch is truly awaited."""
+
+    def __init__(self, n: int, gate: int) -> None:
+        super().__init__(n)
+        self.gate = gate
+
+    def read(self, data_path: Any = None) -> Any:
+        info = aioloader.get_worker_info()
+        first = 3 if info is not None and info.id == 0 else 0
+        for i in range(self.n):
+            if i == first:
+                os.read(self.gate, 1)
+            yield {"index": i}
