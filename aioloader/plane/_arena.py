@@ -47,6 +47,16 @@ def create_file(size: int, name: str) -> int:
     return fd
 
 
+def _stored_at(storage: torch.UntypedStorage, offset: int, dtype: torch.dtype,
+              shape: list[int]) -> torch.Tensor:
+    """The tensor of ``dtype``/``shape`` stored contiguously at byte ``offset`` of
+    ``storage`` (aligned)."""
+    # set_ on the storage is about twice as fast as slicing and re-viewing the bytes.
+    out: torch.Tensor = torch.empty(0, dtype=dtype).set_(
+        storage, offset // dtype.itemsize, shape)  # type: ignore[call-overload]
+    return out
+
+
 class ArenaMap:
     """A mapping of an arena file: ``slots`` slots of ``slot_size`` bytes each."""
 
@@ -77,10 +87,7 @@ class ArenaMap:
 
     def view(self, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         """The tensor of ``dtype``/``shape`` stored contiguously at ``offset`` (aligned)."""
-        # set_ on the storage is about twice as fast as slicing and re-viewing the bytes.
-        out: torch.Tensor = torch.empty(0, dtype=dtype).set_(
-            self._storage, offset // dtype.itemsize, shape)  # type: ignore[call-overload]
-        return out
+        return _stored_at(self._storage, offset, dtype, shape)
 
     def write(self, offset: int, data: bytes) -> None:
         assert self._mm is not None
@@ -171,10 +178,7 @@ class SlotWriter:
             base = self.arena.slot_array(self.slot)
             self.handed_out = weakref.ref(base)
             self._slot_storage = torch.from_numpy(base).untyped_storage()
-        out: torch.Tensor = torch.empty(0, dtype=dtype).set_(
-            self._slot_storage, (off - self.start) // dtype.itemsize,  # type: ignore[call-overload]
-            list(shape))
-        return out
+        return _stored_at(self._slot_storage, off - self.start, dtype, list(shape))
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Where ``t`` already lies in this slot (contiguous, whole), else None."""
