@@ -76,10 +76,7 @@ class Plans:
             if isinstance(self._batches, Drawn):
                 await self._skip_drawn(self._batches)
             elif self._produced > len(self._batches):
-                raise ResumeError(
-                    f"the state says {self._produced} batches of epoch {self._pass} were "
-                    f"delivered, but this epoch has {len(self._batches)}: the data or the "
-                    "sampler changed since the state was taken")
+                raise self._shorter(len(self._batches))
             self._plan_early()
         if isinstance(self._batches, Drawn):
             if await _drawn(self._batches):
@@ -97,11 +94,15 @@ class Plans:
         """Draw (and drop) the batches delivered before a resume."""
         for k in range(self._produced):
             if not await _drawn(drawn):
-                raise ResumeError(
-                    f"the state says {self._produced} batches of epoch {self._pass} were "
-                    f"delivered, but this epoch has {k}: the data or the sampler changed "
-                    "since the state was taken")
+                raise self._shorter(k)
             drawn.ready.popleft()
+
+    def _shorter(self, has: int) -> ResumeError:
+        """A resume past the end of this epoch, which has ``has`` batches."""
+        return ResumeError(
+            f"the state says {self._produced} batches of epoch {self._pass} were delivered, "
+            f"but this epoch has {has}: the data or the sampler changed since the state was "
+            "taken")
 
     def _plan_early(self) -> None:
         """The next pass, planned in the thread while this one is consumed (docs/performance.md:
