@@ -5,6 +5,7 @@ Each test compares with ``torch.utils.data.DataLoader`` where torch's answer is 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -103,13 +104,22 @@ class NoLength(Sampler[int]):
 @pytest.mark.parametrize("batch_size", [None, 2])
 def test_a_sampler_without_len_iterates_as_in_torch(workers: tuple[int, str],
                                                     batch_size: int | None) -> None:
+    # The epoch's start asked len(loader) for its progress bar and its end, and a sampler
+    # without __len__ made that a TypeError in both faces.
     torch_loader = torch.utils.data.DataLoader(Numbers(10), batch_size=batch_size,
                                                sampler=NoLength())
+    want = [torch.as_tensor(b).tolist() for b in torch_loader]
+    assert want == ([3, 1, 4, 1, 5, 9, 2, 6, 5] if batch_size is None
+                    else [[3, 1], [4, 1], [5, 9], [2, 6], [5]])
+
+    async def consume(loader: aioloader.DataLoader) -> list[Any]:
+        return [torch.as_tensor(b).tolist() async for b in loader]
+
     with _loader(Numbers(10), batch_size=batch_size, sampler=NoLength(),
                  workers=workers) as loader:
         for _ in range(2):
-            assert [torch.as_tensor(b).tolist() for b in loader] == [
-                torch.as_tensor(b).tolist() for b in torch_loader]
+            assert [torch.as_tensor(b).tolist() for b in loader] == want
+        assert asyncio.run(consume(loader)) == want
         with pytest.raises(TypeError):
             len(loader)
 
